@@ -1,0 +1,116 @@
+"""The reference paged attention: pure torch, vectorised over the batch, fp32 math."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hal.attention import block_table_for, validate_attention_call
+from hal.metadata import AttentionMetadata
+from hal.protocols import KVPool
+from hal.spec import LayerSpec
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k_cache: torch.Tensor,  # [num_pages + 1, page_size, Hkv, Dk]
+    v_cache: torch.Tensor,  # [num_pages + 1, page_size, Hkv, Dv]
+    block_table: torch.Tensor,  # [B, max_pages]
+    kv_lens: torch.Tensor,  # [B]
+    cu_q_lens: torch.Tensor,  # [B + 1]
+    *,
+    scaling: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
+) -> torch.Tensor:
+    """Attention of packed queries over paged KV; rows that see no key (and no sink) are 0.
+
+    Query row ``i`` of request ``b`` sits at absolute position ``kv_lens[b] - q_len_b + i`` and
+    sees keys ``j <= p`` (and ``j >= p - sliding_window`` when a window is set).
+    """
+    t, hq, _ = q.shape
+    b = block_table.shape[0]
+    ps, hkv, dv = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    out = torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
+    if t == 0 or b == 0:
+        return out
+    cu = cu_q_lens.long()
+    q_lens = cu[1:] - cu[:-1]
+    kv = kv_lens.long()
+    max_q, max_kv = int(q_lens.max()), int(kv.max())
+    if max_kv == 0:
+        return out
+    n_pages = -(-max_kv // ps)
+    pages = block_table[:, :n_pages].long()
+    keys = k_cache[pages].reshape(b, n_pages * ps, hkv, -1).float()
+    values = v_cache[pages].reshape(b, n_pages * ps, hkv, dv).float()
+
+    token = torch.arange(t, device=q.device)
+    req = torch.bucketize(token, cu[1:], right=True)
+    row = token - cu[req]
+    group = hq // hkv
+    qp = torch.zeros((b, max_q, hq, q.shape[2]), dtype=torch.float32, device=q.device)
+    qp[req, row] = q.float()
+    qp = qp.view(b, max_q, hkv, group, -1)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qp, keys) * scaling
+
+    pos = (kv - q_lens)[:, None] + torch.arange(max_q, device=q.device)[None, :]  # [B, max_q]
+    key_idx = torch.arange(n_pages * ps, device=q.device)
+    allowed = (key_idx[None, None, :] < kv[:, None, None]) & (key_idx[None, None, :] <= pos[..., None])
+    if sliding_window is not None:
+        allowed &= key_idx[None, None, :] >= pos[..., None] - sliding_window
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+
+    row_max = scores.amax(-1)  # [B, Hkv, G, max_q]
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, group, 1).expand_as(row_max)
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    weights = torch.exp(scores - row_max[..., None])
+    denom = weights.sum(-1)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
+    ctx = torch.einsum("bhgqk,bkhd->bhgqd", weights, values)
+    ctx = torch.where(denom[..., None] > 0, ctx / denom.clamp_min(1e-30)[..., None], torch.zeros_like(ctx))
+    ctx = ctx.reshape(b, hq, max_q, dv).permute(0, 2, 1, 3)  # [B, max_q, Hq, Dv]
+    return ctx[req, row].to(q.dtype)
+
+
+class CpuAttention:
+    """Reference ``AttentionKernel``: writes the new K/V, then ``paged_attention`` on the pool."""
+
+    seq_len_fill_value = 1
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: LayerSpec,
+        metadata: AttentionMetadata,
+        save_kv_cache: bool = True,
+        *,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks)
+        if save_kv_cache:
+            self.pool.set_kv(layer.layer_id, metadata.out_cache_loc, k, v)
+        return paged_attention(
+            q,
+            self.pool.k_buffer(layer.layer_id),
+            self.pool.v_buffer(layer.layer_id),
+            block_table_for(self.pool, layer, metadata),
+            metadata.kv_lens,
+            metadata.cu_q_lens,
+            scaling=layer.scaling,
+            sliding_window=layer.sliding_window,
+            sinks=sinks,
+        )
+
+    def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
+        return {}  # reads only the metadata tensors, which the runner refreshes in place

@@ -1,0 +1,132 @@
+"""Host-side page allocation for a ``KVPool``, and a per-request page table on top of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hal.errors import CacheLocationError, OutOfPagesError
+from hal.protocols import KVPool
+
+
+class PageAllocator:
+    """Free list of pages ``1..num_pages`` (page 0 is the padding page, never handed out)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages, 0, -1))  # pop() hands out low pages first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"alloc: page count must be >= 0, got {n}")
+        if n > len(self._free):
+            raise OutOfPagesError(f"alloc: asked for {n} pages, {len(self._free)} of {self.num_pages} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        bad = [p for p in pages if p not in self._used]
+        if bad or len(set(pages)) != len(pages):
+            raise CacheLocationError(f"free: pages {bad or pages} are not allocated (double free?)")
+        self._used.difference_update(pages)
+        self._free.extend(sorted(pages, reverse=True))
+
+
+class KVAllocator:
+    """Allocates full-pool pages and, on a hybrid pool, the SWA pages that back them."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.full = PageAllocator(pool.spec.num_pages)
+        self.swa = PageAllocator(pool.spec.swa_num_pages) if pool.spec.swa is not None else None
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.spec.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        if self.swa is None:
+            return self.full.num_free
+        return min(self.full.num_free, self.swa.num_free)
+
+    @property
+    def num_pages(self) -> int:
+        if self.swa is None:
+            return self.full.num_pages
+        return min(self.full.num_pages, self.swa.num_pages)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > self.num_free_pages:
+            raise OutOfPagesError(f"alloc: asked for {n} pages, {self.num_free_pages} free")
+        pages = self.full.alloc(n)
+        if self.swa is not None and n:
+            swa_pages = self.swa.alloc(n)
+            self.pool.map_swa_pages(torch.tensor(pages), torch.tensor(swa_pages))  # type: ignore[attr-defined]
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        pages = list(pages)
+        if not pages:
+            return
+        if self.swa is not None:
+            mapping = self.pool.full_to_swa_page  # type: ignore[attr-defined]
+            swa_pages = mapping[torch.tensor(pages, device=mapping.device)].tolist()
+            self.full.free(pages)
+            self.pool.unmap_swa_pages(torch.tensor(pages))  # type: ignore[attr-defined]
+            self.swa.free(swa_pages)
+        else:
+            self.full.free(pages)
+
+
+class RequestPageTable:
+    """Each live request's pages, in token order; slot of position ``p`` = ``pages[p // ps] * ps + p % ps``."""
+
+    def __init__(self, allocator: KVAllocator) -> None:
+        self.allocator = allocator
+        self._pages: dict[int, list[int]] = {}
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def pages(self, request: int) -> list[int]:
+        return self._pages[request]
+
+    def capacity(self, request: int) -> int:
+        return len(self._pages.get(request, ())) * self.page_size
+
+    def reserve(self, request: int, num_tokens: int) -> None:
+        """Make sure positions ``0 .. num_tokens - 1`` of ``request`` have slots."""
+        pages = self._pages.setdefault(request, [])
+        need = -(-num_tokens // self.page_size) - len(pages)
+        if need > 0:
+            pages.extend(self.allocator.alloc(need))
+
+    def slots(self, request: int, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        pages = torch.tensor(self._pages.get(request, []), dtype=torch.int64)
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= pages.numel() * self.page_size):
+            raise CacheLocationError(
+                f"slots: request {request} has {pages.numel() * self.page_size} reserved positions, "
+                f"asked for {pos.tolist()}"
+            )
+        ps = self.page_size
+        return pages[torch.div(pos, ps, rounding_mode="floor")] * ps + pos % ps
+
+    def release(self, request: int) -> None:
+        self.allocator.free(self._pages.pop(request, []))
+
+    def table(self, requests: Sequence[int]) -> list[list[int]]:
+        return [list(self._pages.get(r, [])) for r in requests]
+
+    def __contains__(self, request: int) -> bool:
+        return request in self._pages

@@ -1,0 +1,146 @@
+"""A device-neutral graph runner over any ``Graph``: padded batch sizes, updates, eager fallback."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from hal.errors import BatchTooLargeError, GraphError, SpecError
+from hal.graph import GraphUpdate
+from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
+from hal.protocols import AttentionKernel, Backend, Graph
+from hal.spec import ForwardMode
+
+Forward = Callable[[Mapping[str, torch.Tensor], AttentionMetadata], Any]
+
+
+@attrs.define
+class _Captured:
+    graph: Graph
+    inputs: dict[str, torch.Tensor]
+    metadata: AttentionMetadata
+    outputs: Any
+
+
+def _slice_rows(tree: Any, rows: int) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree[:rows]
+    if isinstance(tree, tuple):
+        return tuple(_slice_rows(t, rows) for t in tree)
+    if isinstance(tree, list):
+        return [_slice_rows(t, rows) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _slice_rows(v, rows) for k, v in tree.items()}
+    return tree
+
+
+class GraphRunner:
+    """Captures ``forward`` at several padded batch sizes and replays the smallest that fits.
+
+    ``forward(inputs, metadata)`` must return a tensor (or tuple/list/dict of tensors) whose first
+    dim is the token count; ``run`` returns those rows for the real requests only. The returned
+    tensors are views of the graph's static outputs, valid until the next ``run``.
+    Batches above the largest captured size run eagerly (or raise, with ``eager_fallback=False``).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        forward: Forward,
+        *,
+        attention: AttentionKernel,
+        mode: ForwardMode,
+        tokens_per_request: int,
+        batch_sizes: Sequence[int],
+        max_pages_per_request: int,
+        inputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        seq_len_fill_value: int | None = None,
+        eager_fallback: bool = True,
+    ) -> None:
+        if not mode.has_uniform_query_len() or mode.is_idle():
+            raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
+        if mode.is_decode() and tokens_per_request != 1:
+            raise SpecError(f"GraphRunner: DECODE has 1 token per request, got tokens_per_request={tokens_per_request}")
+        sizes = sorted(set(int(b) for b in batch_sizes))
+        if not sizes or sizes[0] <= 0:
+            raise SpecError(f"GraphRunner.batch_sizes must be positive ints, got {list(batch_sizes)}")
+        self.backend = backend
+        self.forward = forward
+        self.attention = attention
+        self.mode = mode
+        self.tokens_per_request = tokens_per_request
+        self.batch_sizes = sizes
+        self.max_pages_per_request = max_pages_per_request
+        self.fill = attention.seq_len_fill_value if seq_len_fill_value is None else seq_len_fill_value
+        self.eager_fallback = eager_fallback
+        device = attention.pool.device
+        rows = sizes[-1] * tokens_per_request
+        self._static_inputs = {
+            name: torch.zeros((rows, *shape), dtype=dtype, device=device) for name, (shape, dtype) in inputs.items()
+        }
+        self._captured: dict[int, _Captured] = {}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def padded_batch_size(self, batch_size: int) -> int | None:
+        """The smallest captured size >= ``batch_size`` (None above the largest)."""
+        i = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def capture(self) -> None:
+        """Capture every batch size, largest first so smaller graphs reuse its memory pool."""
+        tpr = self.tokens_per_request
+        memory_pool = self.backend.graph_memory_pool()
+        for bs in reversed(self.batch_sizes):
+            metadata = build_metadata(
+                self.mode,
+                kv_lens=[self.fill + tpr - 1] * bs,
+                q_lens=[tpr] * bs,
+                page_table=torch.zeros((bs, self.max_pages_per_request), dtype=torch.int32),
+                out_cache_loc=[0] * (bs * tpr),
+                pool=self.attention.pool,
+                max_pages=self.max_pages_per_request,
+            )
+            inputs = {name: buf[: bs * tpr] for name, buf in self._static_inputs.items()}
+            graph = self.backend.create_graph()
+            outputs = graph.capture(lambda i=inputs, m=metadata: self.forward(i, m), pool=memory_pool)
+            self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
+
+    def run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:
+        if metadata.mode != self.mode:
+            raise SpecError(f"GraphRunner for {self.mode.name} got {metadata.mode.name} metadata")
+        b, tpr = metadata.batch_size, self.tokens_per_request
+        if any(q != tpr for q in metadata.q_lens_cpu):
+            raise SpecError(f"GraphRunner: every request must have {tpr} tokens, got q_lens {metadata.q_lens_cpu}")
+        if set(inputs) != set(self._static_inputs):
+            raise SpecError(f"GraphRunner inputs {sorted(inputs)} differ from the declared {sorted(self._static_inputs)}")
+        bs = self.padded_batch_size(b)
+        too_long = metadata.block_table.shape[1] > self.max_pages_per_request
+        if bs is None or too_long:
+            if not self.eager_fallback:
+                what = (
+                    f"batch of {b} is larger than every captured graph {self.batch_sizes}"
+                    if bs is None
+                    else f"block table of {metadata.block_table.shape[1]} pages exceeds the captured {self.max_pages_per_request}"
+                )
+                raise BatchTooLargeError(f"GraphRunner: {what} and eager_fallback is off")
+            return self.forward(inputs, metadata)
+        if not self._captured:
+            raise GraphError("GraphRunner.run: capture() first")
+        entry = self._captured[bs]
+        padded = pad_metadata(metadata, bs, fill=self.fill, max_pages=self.max_pages_per_request)
+        copies = [(entry.inputs[name][: b * tpr], value) for name, value in inputs.items()]
+        static_md, new_md = entry.metadata.tensors(), padded.tensors()
+        copies += [(static_md[name], new_md[name]) for name in static_md]
+        update = GraphUpdate(
+            buffer_copies=tuple(copies),
+            host_params=tuple(kernel.updatable_params(padded, layer) for kernel, layer in entry.graph.captured_calls),
+        )
+        entry.graph.replay(update)
+        return _slice_rows(entry.outputs, b * tpr)

@@ -1,0 +1,184 @@
+"""The split-K/V paged pool layout, shared by every backend.
+
+Backends subclass ``SplitKVPool`` and override only how a buffer is allocated
+(``_allocate``) and how rows are written (``_write_rows``); the layout, the SWA
+mapping and the validation live here once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hal.errors import CacheLocationError, KVLayoutError
+from hal.graph import is_capturing
+from hal.spec import KVPoolSpec
+
+
+class SplitKVPool:
+    """K and V in separate buffers ``[layers, num_pages + 1, page_size, kv_heads, dim]``.
+
+    Full layers and SWA layers live in separate sub-pools, each with page 0 reserved
+    for padding. ``full_to_swa_page[p]`` is the SWA page backing full page ``p``
+    (0 = unmapped; page 0 always maps to 0).
+    """
+
+    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        ps = spec.page_size
+        full_ids = spec.full_layer_ids
+        swa_ids = spec.swa.layer_ids if spec.swa is not None else ()
+        # global layer id -> (sub-pool name, index inside that sub-pool)
+        self._where: dict[int, tuple[str, int]] = {}
+        for i, layer in enumerate(full_ids):
+            self._where[layer] = ("full", i)
+        for i, layer in enumerate(swa_ids):
+            self._where[layer] = ("swa", i)
+        self._k: dict[str, torch.Tensor] = {}
+        self._v: dict[str, torch.Tensor] = {}
+        if full_ids:
+            self._k["full"] = self._allocate((len(full_ids), spec.num_pages + 1, ps, spec.kv_heads, spec.head_dim))
+            self._v["full"] = self._allocate((len(full_ids), spec.num_pages + 1, ps, spec.kv_heads, spec.v_head_dim))
+        if spec.swa is not None:
+            s = spec.swa
+            n = spec.swa_num_pages + 1
+            self._k["swa"] = self._allocate((len(swa_ids), n, ps, s.kv_heads, s.head_dim))
+            self._v["swa"] = self._allocate((len(swa_ids), n, ps, s.kv_heads, s.v_head_dim))
+        # Per-layer views into the sub-pool tensors (no copies), indexed by global layer id.
+        self._k_views = [self._k[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
+        self._v_views = [self._v[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
+        self.full_to_swa_page: torch.Tensor | None = None
+        if spec.swa is not None:
+            self.full_to_swa_page = torch.zeros(spec.num_pages + 1, dtype=torch.int64, device=self.device)
+
+    # -- backend hooks -------------------------------------------------------------------
+    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.spec.dtype, device=self.device)
+
+    def _write_rows(self, buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+        """``buffer[loc[i]] = rows[i]``; ``buffer`` is a layer viewed as ``[slots, heads, dim]``."""
+        buffer.index_copy_(0, loc, rows)
+
+    # -- layout ----------------------------------------------------------------------------
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+            raise KVLayoutError(f"layer {layer!r} out of range: the pool has layers 0..{self.spec.num_layers - 1}")
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """``[num_pages + 1, page_size, kv_heads, head_dim]`` view of one layer's K."""
+        self._check_layer(layer)
+        return self._k_views[layer]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """``[num_pages + 1, page_size, kv_heads, v_head_dim]`` view of one layer's V."""
+        self._check_layer(layer)
+        return self._v_views[layer]
+
+    @property
+    def k_buffers(self) -> list[torch.Tensor]:
+        return list(self._k_views)
+
+    @property
+    def v_buffers(self) -> list[torch.Tensor]:
+        return list(self._v_views)
+
+    def sub_pool_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The contiguous (K, V) tensors of each sub-pool, e.g. for disaggregated transfer."""
+        return {name: (self._k[name], self._v[name]) for name in self._k}
+
+    def is_swa_layer(self, layer: int) -> bool:
+        self._check_layer(layer)
+        return self._where[layer][0] == "swa"
+
+    def bytes_per_token(self) -> int:
+        return self.spec.bytes_per_token()
+
+    def num_slots(self, layer: int) -> int:
+        """Slots addressable in the layer's sub-pool, padding page included."""
+        return self._k_views[layer].shape[0] * self.spec.page_size
+
+    # -- SWA mapping -----------------------------------------------------------------------
+    def map_swa_pages(self, full_pages: torch.Tensor, swa_pages: torch.Tensor) -> None:
+        """Back full pages with SWA pages (called by the allocator)."""
+        if self.full_to_swa_page is None:
+            raise KVLayoutError("map_swa_pages: this pool has no SWA part")
+        full_pages = torch.as_tensor(full_pages, dtype=torch.int64, device=self.device).reshape(-1)
+        swa_pages = torch.as_tensor(swa_pages, dtype=torch.int64, device=self.device).reshape(-1)
+        if full_pages.shape != swa_pages.shape:
+            raise KVLayoutError(
+                f"map_swa_pages: {full_pages.numel()} full pages but {swa_pages.numel()} SWA pages"
+            )
+        if full_pages.numel():
+            if int(full_pages.min()) < 1 or int(full_pages.max()) > self.spec.num_pages:
+                raise CacheLocationError(f"map_swa_pages: full pages must lie in 1..{self.spec.num_pages}")
+            if int(swa_pages.min()) < 1 or int(swa_pages.max()) > self.spec.swa_num_pages:
+                raise CacheLocationError(f"map_swa_pages: SWA pages must lie in 1..{self.spec.swa_num_pages}")
+        self.full_to_swa_page[full_pages] = swa_pages
+
+    def unmap_swa_pages(self, full_pages: torch.Tensor) -> None:
+        if self.full_to_swa_page is None:
+            raise KVLayoutError("unmap_swa_pages: this pool has no SWA part")
+        full_pages = torch.as_tensor(full_pages, dtype=torch.int64, device=self.device).reshape(-1)
+        self.full_to_swa_page[full_pages] = 0
+
+    def swa_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """Translate a full-pool block table to SWA pages (padding page 0 stays 0)."""
+        if self.full_to_swa_page is None:
+            raise KVLayoutError("swa_block_table: this pool has no SWA part")
+        return self.full_to_swa_page[block_table.long()].to(block_table.dtype)
+
+    def translate_loc(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
+        """Full-pool slots -> slots in the layer's own sub-pool."""
+        self._check_layer(layer)
+        if not self.is_swa_layer(layer):
+            return loc
+        assert self.full_to_swa_page is not None
+        ps = self.spec.page_size
+        return self.full_to_swa_page[torch.div(loc, ps, rounding_mode="floor")] * ps + loc % ps
+
+    # -- writes ----------------------------------------------------------------------------
+    def _validate(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check_layer(layer)
+        heads, dk, dv = self.spec.layer_dims(layer)
+        if not isinstance(loc, torch.Tensor) or loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
+            desc = f"{loc.dtype} tensor of shape {tuple(loc.shape)}" if isinstance(loc, torch.Tensor) else type(loc).__name__
+            raise KVLayoutError(f"set_kv: loc must be a 1-D int32/int64 tensor, got {desc}")
+        n = loc.shape[0]
+        for name, x, d in (("k", k, dk), ("v", v, dv)):
+            if tuple(x.shape) != (n, heads, d):
+                raise KVLayoutError(
+                    f"set_kv layer {layer}: {name} has shape {tuple(x.shape)}, expected ({n}, {heads}, {d})"
+                )
+            if x.dtype != self.spec.dtype:
+                raise KVLayoutError(f"set_kv layer {layer}: {name} has dtype {x.dtype}, the pool stores {self.spec.dtype}")
+            if x.device != self.device:
+                raise KVLayoutError(f"set_kv layer {layer}: {name} is on {x.device}, the pool is on {self.device}")
+        if loc.device != self.device:
+            raise KVLayoutError(f"set_kv layer {layer}: loc is on {loc.device}, the pool is on {self.device}")
+        if n == 0 or is_capturing():
+            return  # reading loc's values would synchronize inside a capture
+        lo, hi = int(loc.min()), int(loc.max())
+        limit = (self.spec.num_pages + 1) * self.spec.page_size
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise CacheLocationError(f"set_kv layer {layer}: cache location {bad} out of range [0, {limit})")
+        if self.is_swa_layer(layer):
+            assert self.full_to_swa_page is not None
+            pages = torch.div(loc, self.spec.page_size, rounding_mode="floor")
+            unmapped = (pages != 0) & (self.full_to_swa_page[pages] == 0)
+            if bool(unmapped.any()):
+                first = int(loc[unmapped][0])
+                raise CacheLocationError(
+                    f"set_kv layer {layer}: cache location {first} lies in full page "
+                    f"{first // self.spec.page_size}, which has no SWA page mapped"
+                )
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k[i], v[i]`` at full-pool slot ``loc[i]`` of ``layer``; validates before writing."""
+        self._validate(layer, loc, k, v)
+        slots = self.translate_loc(layer, loc.long())
+        heads = k.shape[1]
+        kb = self._k_views[layer].view(-1, heads, k.shape[2])
+        vb = self._v_views[layer].view(-1, heads, v.shape[2])
+        self._write_rows(kb, slots, k)
+        self._write_rows(vb, slots, v)

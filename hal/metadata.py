@@ -1,0 +1,250 @@
+"""Attention metadata and its builder: per-request lengths -> what every kernel needs.
+
+Conventions (shared by every backend):
+- Tokens of a batch are packed request after request (TND): request ``b`` owns rows
+  ``cu_q_lens[b]:cu_q_lens[b + 1]``.
+- ``kv_lens[b]`` is the request's KV length *after* this forward's tokens are written,
+  so ``q_lens[b] <= kv_lens[b]``; its new tokens sit at absolute positions
+  ``kv_lens[b] - q_lens[b] ... kv_lens[b] - 1``.
+- Every mode uses one masking rule: the query at absolute position ``p`` sees keys
+  ``j <= p`` (causal inside the new rows), and on a sliding-window layer only
+  ``p - W <= j`` as well (see ``hal.spec``).
+- ``block_table[b, i]`` is the page holding the request's tokens ``i*page_size ...``;
+  unused entries are 0, the padding page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from hal.errors import SpecError
+from hal.spec import ForwardMode
+
+if TYPE_CHECKING:
+    from hal.protocols import KVPool
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    if isinstance(value, torch.Tensor):
+        return tuple(int(x) for x in value.tolist())
+    return tuple(int(x) for x in value)
+
+
+@attrs.frozen(eq=False)
+class AttentionMetadata:
+    """Everything an attention kernel needs for one forward. Build it with ``build_metadata``.
+
+    Device tensors are what kernels read. The ``*_cpu`` tuples are the same values on the host,
+    as the values were when this object was built: kernels whose ops take host lists (FIA on
+    Ascend) read them, and a graph update carries their new values into a captured graph.
+    """
+
+    mode: ForwardMode
+    page_size: int
+    kv_lens_cpu: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    q_lens_cpu: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    kv_lens: torch.Tensor  # [B] int32
+    q_lens: torch.Tensor  # [B] int32
+    cu_q_lens: torch.Tensor  # [B + 1] int32, starts at 0
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    out_cache_loc: torch.Tensor  # [T] int64, full-pool slot each new token is written to
+    block_table: torch.Tensor  # [B, max_pages] int32, page ids
+    swa_block_table: torch.Tensor | None = None  # same, translated to the SWA sub-pool
+
+    def __attrs_post_init__(self) -> None:
+        b, t = len(self.kv_lens_cpu), sum(self.q_lens_cpu)
+        if len(self.q_lens_cpu) != b:
+            raise SpecError(
+                f"AttentionMetadata.q_lens has {len(self.q_lens_cpu)} entries, kv_lens has {b}"
+            )
+        for i, (q, kv) in enumerate(zip(self.q_lens_cpu, self.kv_lens_cpu)):
+            if q < 0 or kv < q:
+                raise SpecError(
+                    f"AttentionMetadata request {i}: need 0 <= q_len <= kv_len, got q_len={q}, kv_len={kv}"
+                )
+        if self.mode.is_decode() and any(q != 1 for q in self.q_lens_cpu):
+            raise SpecError(f"AttentionMetadata: DECODE needs q_len 1 per request, got {self.q_lens_cpu}")
+        if self.mode.has_uniform_query_len() and len(set(self.q_lens_cpu)) > 1:
+            raise SpecError(
+                f"AttentionMetadata: {self.mode.name} needs the same q_len for every request, "
+                f"got {self.q_lens_cpu}"
+            )
+        expect = {
+            "kv_lens": (b,),
+            "q_lens": (b,),
+            "cu_q_lens": (b + 1,),
+            "positions": (t,),
+            "out_cache_loc": (t,),
+        }
+        for name, shape in expect.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise SpecError(f"AttentionMetadata.{name} has shape {got}, expected {shape}")
+        for name in ("block_table", "swa_block_table"):
+            table = getattr(self, name)
+            if table is None:
+                continue
+            if table.dim() != 2 or table.shape[0] != b:
+                raise SpecError(
+                    f"AttentionMetadata.{name} has shape {tuple(table.shape)}, expected ({b}, max_pages)"
+                )
+            capacity = table.shape[1] * self.page_size
+            if self.kv_lens_cpu and max(self.kv_lens_cpu) > capacity:
+                raise SpecError(
+                    f"AttentionMetadata.{name} holds {table.shape[1]} pages of {self.page_size} "
+                    f"tokens, too few for kv_len {max(self.kv_lens_cpu)}"
+                )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens_cpu)
+
+    @property
+    def cu_q_lens_cpu(self) -> tuple[int, ...]:
+        """Cumulative query ends, without the leading 0 (FIA TND ``actual_seq_qlen``)."""
+        out, acc = [], 0
+        for q in self.q_lens_cpu:
+            acc += q
+            out.append(acc)
+        return tuple(out)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The device tensors by name (what a captured graph holds at fixed addresses)."""
+        names = ("kv_lens", "q_lens", "cu_q_lens", "positions", "out_cache_loc", "block_table")
+        out = {name: getattr(self, name) for name in names}
+        if self.swa_block_table is not None:
+            out["swa_block_table"] = self.swa_block_table
+        return out
+
+
+def build_metadata(
+    mode: ForwardMode,
+    *,
+    kv_lens: Sequence[int] | torch.Tensor,
+    q_lens: Sequence[int] | torch.Tensor,
+    page_table: Sequence[Sequence[int]] | torch.Tensor,
+    out_cache_loc: Sequence[int] | torch.Tensor,
+    pool: KVPool | None = None,
+    page_size: int | None = None,
+    device: torch.device | str | None = None,
+    max_pages: int | None = None,
+) -> AttentionMetadata:
+    """Build metadata from host-side per-request lengths.
+
+    ``page_table`` lists each request's pages in order (ragged lists, or a 2-D tensor);
+    it is padded with 0 to ``max_pages`` columns (default: the most any request needs).
+    With a hybrid SWA ``pool`` the SWA block table is derived through the pool's mapping.
+    """
+    if pool is not None:
+        page_size = pool.spec.page_size if page_size is None else page_size
+        device = pool.device if device is None else device
+    if page_size is None:
+        raise SpecError("build_metadata needs page_size (or a pool)")
+    device = torch.device("cpu") if device is None else torch.device(device)
+    kv = _int_tuple(kv_lens)
+    q = _int_tuple(q_lens)
+    if len(kv) != len(q):
+        raise SpecError(f"build_metadata: {len(q)} q_lens but {len(kv)} kv_lens")
+    rows = [list(_int_tuple(r)) for r in page_table]
+    if len(rows) != len(kv):
+        raise SpecError(f"build_metadata: page_table has {len(rows)} rows for {len(kv)} requests")
+    need = [-(-n // page_size) for n in kv]
+    for i, (row, n) in enumerate(zip(rows, need)):
+        if len(row) < n:
+            raise SpecError(
+                f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}"
+            )
+    width = max(need, default=0) if max_pages is None else max_pages
+    width = max(width, 1)
+    if max(need, default=0) > width:
+        raise SpecError(f"build_metadata: max_pages={width} is below the {max(need)} pages a request needs")
+    table = torch.zeros((len(kv), width), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        used = row[:width]
+        if used:
+            table[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+    loc = torch.as_tensor(
+        out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else list(out_cache_loc),
+        dtype=torch.int64,
+    ).reshape(-1)
+    kv_t = torch.tensor(kv, dtype=torch.int32)
+    q_t = torch.tensor(q, dtype=torch.int32)
+    cu = torch.zeros(len(kv) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(q_t, 0)
+    total = int(cu[-1])
+    req = torch.repeat_interleave(torch.arange(len(kv)), q_t.long())
+    start = (kv_t - q_t).long()
+    positions = start[req] + torch.arange(total) - cu[:-1].long()[req]
+    table_d = table.to(device)
+    swa_table = None
+    if pool is not None and pool.spec.swa is not None:
+        swa_table = pool.swa_block_table(table_d)
+    return AttentionMetadata(
+        mode=mode,
+        page_size=page_size,
+        kv_lens_cpu=kv,
+        q_lens_cpu=q,
+        kv_lens=kv_t.to(device),
+        q_lens=q_t.to(device),
+        cu_q_lens=cu.to(device),
+        positions=positions.to(device),
+        out_cache_loc=loc.to(device),
+        block_table=table_d,
+        swa_block_table=swa_table,
+    )
+
+
+def pad_metadata(metadata: AttentionMetadata, batch_size: int, *, fill: int, max_pages: int) -> AttentionMetadata:
+    """Pad a uniform-q-len batch to ``batch_size`` requests and ``max_pages`` block-table columns.
+
+    Padded requests carry the same q_len as the real ones, write to slot 0 (the padding slot),
+    read page 0 only, and have ``kv_len = fill + q_len - 1`` (so their first token sees ``fill``
+    keys, as ``seq_len_fill_value`` means). Runs on the device; reads no device memory.
+    """
+    b = metadata.batch_size
+    if batch_size < b:
+        raise SpecError(f"pad_metadata: batch_size={batch_size} is below the real batch of {b}")
+    if not metadata.mode.has_uniform_query_len():
+        raise SpecError(f"pad_metadata: {metadata.mode.name} batches have ragged q_lens and cannot be padded")
+    if metadata.block_table.shape[1] > max_pages:
+        raise SpecError(
+            f"pad_metadata: block table has {metadata.block_table.shape[1]} pages, more than max_pages={max_pages}"
+        )
+    q_len = metadata.q_lens_cpu[0] if b else 1
+    pad = batch_size - b
+    pad_kv = fill + q_len - 1
+    dev = metadata.kv_lens.device
+
+    def table(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((batch_size, max_pages), dtype=t.dtype, device=dev)
+        out[:b, : t.shape[1]] = t
+        return out
+
+    kv_lens = torch.cat([metadata.kv_lens, torch.full((pad,), pad_kv, dtype=metadata.kv_lens.dtype, device=dev)])
+    q_lens = torch.cat([metadata.q_lens, torch.full((pad,), q_len, dtype=metadata.q_lens.dtype, device=dev)])
+    cu = torch.zeros(batch_size + 1, dtype=metadata.cu_q_lens.dtype, device=dev)
+    cu[1:] = torch.cumsum(q_lens, 0)
+    pad_pos = torch.arange(fill - 1, fill - 1 + q_len, device=dev, dtype=metadata.positions.dtype).repeat(pad)
+    return AttentionMetadata(
+        mode=metadata.mode,
+        page_size=metadata.page_size,
+        kv_lens_cpu=metadata.kv_lens_cpu + (pad_kv,) * pad,
+        q_lens_cpu=metadata.q_lens_cpu + (q_len,) * pad,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        cu_q_lens=cu,
+        positions=torch.cat([metadata.positions, pad_pos]),
+        out_cache_loc=torch.cat(
+            [metadata.out_cache_loc, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc.dtype, device=dev)]
+        ),
+        block_table=table(metadata.block_table),
+        swa_block_table=None if metadata.swa_block_table is None else table(metadata.swa_block_table),
+    )

@@ -1,0 +1,198 @@
+"""Device string -> backend bundle, resolved lazily.
+
+Registering a backend stores an import path; nothing is imported until ``get_backend``
+(or ``list_backends``) asks for it, so ``import hal`` never pulls in torch_npu or triton.
+Third-party backends register through the entry-point group ``hal.backends``::
+
+    [project.entry-points."hal.backends"]
+    mydev = "my_package.backend:MyBackend"
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import torch
+
+from hal.errors import BackendUnavailableError, UnknownDeviceError
+from hal.protocols import Availability, Backend
+
+ENTRY_POINT_GROUP = "hal.backends"
+AUTO_ORDER = ("npu", "cuda", "cpu")
+
+_BUILTIN = {
+    "cpu": "backends.cpu:CpuBackend",
+    "npu": "backends.npu:NpuBackend",
+    "cuda": "backends.cuda:CudaBackend",
+}
+_INSTALL_HINT = {
+    "npu": "install the Ascend extra (pip install '.[npu]') and the Ascend CANN toolkit",
+    "cuda": "install the CUDA extra (pip install '.[cuda]') and a CUDA build of torch on a machine with an NVIDIA GPU",
+}
+_DEVICE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::(\d+))?$")
+
+
+@attrs.frozen
+class BackendInfo:
+    device_type: str
+    target: str  # "module:Class" or a class's qualname
+    source: str  # builtin / entry point / registered
+    availability: Availability
+
+
+@attrs.define
+class _Entry:
+    target: str | type
+    source: str
+
+
+_lock = threading.RLock()
+_entries: dict[str, _Entry] = {k: _Entry(v, "builtin") for k, v in _BUILTIN.items()}
+_instances: dict[tuple[str, int | None], Any] = {}
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _entries or _entries[ep.name].source != "registered":
+            _entries[ep.name] = _Entry(ep.value, f"entry point ({ep.dist.name if ep.dist else '?'})")
+
+
+def register_backend(device_type: str, target: str | type, *, override: bool = False) -> None:
+    """Register ``target`` ("module:Class" or a class) for ``device_type``; imports nothing."""
+    if not _DEVICE_RE.match(device_type) or ":" in device_type:
+        raise UnknownDeviceError(f"register_backend: {device_type!r} is not a valid device type name")
+    with _lock:
+        _load_entry_points()
+        if device_type in _entries and not override:
+            raise ValueError(
+                f"register_backend: {device_type!r} is already registered to {_entries[device_type].target!r}; "
+                "pass override=True to replace it"
+            )
+        _entries[device_type] = _Entry(target, "registered")
+        for key in [k for k in _instances if k[0] == device_type]:
+            del _instances[key]
+
+
+def unregister_backend(device_type: str) -> None:
+    with _lock:
+        _entries.pop(device_type, None)
+        for key in [k for k in _instances if k[0] == device_type]:
+            del _instances[key]
+
+
+def registered_device_types() -> list[str]:
+    with _lock:
+        _load_entry_points()
+        return sorted(_entries)
+
+
+def _resolve_class(device_type: str) -> type:
+    entry = _entries[device_type]
+    if isinstance(entry.target, type):
+        return entry.target
+    module_name, _, attr = entry.target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = _INSTALL_HINT.get(device_type, f"install the package that provides {module_name}")
+        raise BackendUnavailableError(
+            f"backend {device_type!r} cannot be imported ({exc}); {hint}"
+        ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise BackendUnavailableError(f"backend {device_type!r}: {module_name} has no {attr!r}") from exc
+
+
+def _probe(cls: type) -> Availability:
+    try:
+        return cls.probe()  # type: ignore[attr-defined, no-any-return]
+    except Exception as exc:  # a probe must not take the registry down
+        return Availability(False, f"probe failed: {type(exc).__name__}: {exc}")
+
+
+def parse_device(device: str | torch.device) -> tuple[str, int | None]:
+    """``"npu:1"`` -> ``("npu", 1)``; ``"cuda"`` -> ``("cuda", None)``."""
+    if isinstance(device, torch.device):
+        return device.type, device.index
+    if not isinstance(device, str):
+        raise UnknownDeviceError(f"device must be a str or torch.device, got {type(device).__name__}")
+    m = _DEVICE_RE.match(device.strip())
+    if not m:
+        raise UnknownDeviceError(
+            f"bad device string {device!r}: expected 'type' or 'type:index', e.g. 'npu:0', 'cuda', 'cpu', 'auto'"
+        )
+    return m.group(1).lower(), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def get_backend(device: str | torch.device = "auto") -> Backend:
+    """The backend bundle for ``device`` (``"npu"``, ``"npu:1"``, ``"cuda"``, ``"cpu"``, ``"auto"``)."""
+    device_type, index = parse_device(device)
+    with _lock:
+        _load_entry_points()
+        if device_type == "auto":
+            if index is not None:
+                raise UnknownDeviceError(f"'auto' takes no index, got {device!r}")
+            reasons = []
+            for candidate in AUTO_ORDER:
+                if candidate not in _entries:
+                    continue
+                try:
+                    return get_backend(candidate)
+                except BackendUnavailableError as exc:
+                    reasons.append(f"{candidate}: {exc}")
+            raise BackendUnavailableError("no backend is available for 'auto': " + "; ".join(reasons))
+        if device_type not in _entries:
+            raise UnknownDeviceError(
+                f"unknown device {str(device)!r}: registered device types are {sorted(_entries)} (and 'auto')"
+            )
+        key = (device_type, index)
+        if key in _instances:
+            return _instances[key]  # type: ignore[no-any-return]
+        cls = _resolve_class(device_type)
+        availability = _probe(cls)
+        if not availability.available:
+            hint = _INSTALL_HINT.get(device_type, "")
+            raise BackendUnavailableError(
+                f"backend {device_type!r} is not available: {availability.reason}" + (f"; {hint}" if hint else "")
+            )
+        if index is not None and availability.device_count and index >= availability.device_count:
+            raise BackendUnavailableError(
+                f"device {device_type}:{index} does not exist: {availability.device_count} {device_type} device(s) found"
+            )
+        instance = cls(index=index)
+        _instances[key] = instance
+        return instance  # type: ignore[no-any-return]
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend with its availability (imports each backend module, not its runtime)."""
+    with _lock:
+        _load_entry_points()
+        out = []
+        for device_type in sorted(_entries):
+            entry = _entries[device_type]
+            target = entry.target if isinstance(entry.target, str) else entry.target.__qualname__
+            try:
+                availability = _probe(_resolve_class(device_type))
+            except BackendUnavailableError as exc:
+                availability = Availability(False, str(exc))
+            out.append(BackendInfo(device_type, target, entry.source, availability))
+        return out
+
+
+def iter_available() -> Iterator[str]:
+    for info in list_backends():
+        if info.availability.available:
+            yield info.device_type

@@ -1,0 +1,210 @@
+"""Data contracts: forward modes, layer and KV pool specs.
+
+Sliding-window convention (the one place it is defined): a layer with
+``sliding_window=W`` lets the query at absolute position ``i`` see keys ``j``
+with ``i - W <= j <= i``, i.e. itself and the ``W`` previous tokens (``W + 1``
+keys). This is FlashAttention's ``window_size=(W, 0)`` and FIA's
+``pre_tokens=W, next_tokens=0``. A model whose config says "window of 128
+tokens including itself" passes ``W = 127``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+import torch
+
+from hal.errors import KVLayoutError, SpecError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class ForwardMode(enum.IntEnum):
+    """What a forward pass computes; every attention kernel handles all of them."""
+
+    EXTEND = enum.auto()  # prefill, possibly on top of a cached prefix
+    DECODE = enum.auto()  # one new token per request
+    TARGET_VERIFY = enum.auto()  # target model over the S + 1 verify tokens per request
+    DRAFT_EXTEND_V2 = enum.auto()  # draft layer over the same S + 1 rows, fixed shape
+    IDLE = enum.auto()  # no requests on this rank
+
+    def is_extend(self, include_draft_extend_v2: bool = False) -> bool:
+        """Multi-token causal forwards; TARGET_VERIFY counts, DRAFT_EXTEND_V2 only if asked."""
+        if self is ForwardMode.DRAFT_EXTEND_V2:
+            return include_draft_extend_v2
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend_v2(self) -> bool:
+        return self is ForwardMode.DRAFT_EXTEND_V2
+
+    def is_idle(self) -> bool:
+        return self is ForwardMode.IDLE
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+    def has_uniform_query_len(self) -> bool:
+        """Modes whose requests all carry the same number of query tokens (graph-capturable shapes)."""
+        return self in (
+            ForwardMode.DECODE,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND_V2,
+            ForwardMode.IDLE,
+        )
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SpecError(
+            f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}"
+        )
+
+
+def _float_dtype(instance: Any, attribute: attrs.Attribute, value: torch.dtype) -> None:
+    if value not in FLOAT_DTYPES:
+        raise SpecError(
+            f"{type(instance).__name__}.{attribute.name} must be one of "
+            f"{[str(d) for d in FLOAT_DTYPES]}, got {value!r}"
+        )
+
+
+@attrs.frozen
+class LayerSpec:
+    """One attention layer as the kernel sees it."""
+
+    layer_id: int = attrs.field()
+    num_q_heads: int = attrs.field(validator=_positive)
+    num_kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)  # q/k head dim
+    v_head_dim: int = attrs.field(validator=_positive)
+    scaling: float = attrs.field()  # softmax scale applied to q.k
+    sliding_window: int | None = attrs.field(default=None)  # W: see the module docstring
+    has_sinks: bool = attrs.field(default=False)  # per-head learnable sink logit
+
+    @layer_id.validator
+    def _check_layer_id(self, attribute: attrs.Attribute, value: int) -> None:
+        if not isinstance(value, int) or value < 0:
+            raise SpecError(f"LayerSpec.layer_id must be an int >= 0, got {value!r}")
+
+    @num_kv_heads.validator
+    def _check_gqa(self, attribute: attrs.Attribute, value: int) -> None:
+        if self.num_q_heads % value:
+            raise SpecError(
+                f"LayerSpec.num_q_heads={self.num_q_heads} must be a multiple of "
+                f"num_kv_heads={value} (GQA)"
+            )
+
+    @scaling.validator
+    def _check_scaling(self, attribute: attrs.Attribute, value: float) -> None:
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise SpecError(f"LayerSpec.scaling must be a positive float, got {value!r}")
+
+    @sliding_window.validator
+    def _check_window(self, attribute: attrs.Attribute, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise SpecError(f"LayerSpec.sliding_window must be None or an int >= 0, got {value!r}")
+
+    @property
+    def is_swa(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@attrs.frozen
+class SWAPoolSpec:
+    """The sliding-window part of a hybrid pool: its own (smaller) size and head config."""
+
+    layer_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    size: int = attrs.field(validator=_positive)  # tokens
+    kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    v_head_dim: int = attrs.field(validator=_positive)
+
+    @layer_ids.validator
+    def _check_ids(self, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+        if not value:
+            raise SpecError("SWAPoolSpec.layer_ids must name at least one layer")
+        if len(set(value)) != len(value) or any(not isinstance(i, int) or i < 0 for i in value):
+            raise SpecError(f"SWAPoolSpec.layer_ids must be distinct ints >= 0, got {value!r}")
+
+
+@attrs.frozen
+class KVPoolSpec:
+    """A paged, split-K/V pool. ``size`` counts tokens (excluding the padding page)."""
+
+    num_layers: int = attrs.field(validator=_positive)
+    size: int = attrs.field(validator=_positive)
+    page_size: int = attrs.field(validator=_positive)
+    kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    v_head_dim: int = attrs.field(validator=_positive)
+    dtype: torch.dtype = attrs.field(default=torch.float32, validator=_float_dtype)
+    swa: SWAPoolSpec | None = attrs.field(default=None)
+
+    @size.validator
+    def _check_size(self, attribute: attrs.Attribute, value: int) -> None:
+        if value % self.page_size:
+            raise SpecError(
+                f"KVPoolSpec.size={value} must be a multiple of page_size={self.page_size}"
+            )
+
+    @swa.validator
+    def _check_swa(self, attribute: attrs.Attribute, value: SWAPoolSpec | None) -> None:
+        if value is None:
+            return
+        bad = [i for i in value.layer_ids if i >= self.num_layers]
+        if bad:
+            raise SpecError(
+                f"KVPoolSpec.swa.layer_ids {bad} out of range for num_layers={self.num_layers}"
+            )
+        if value.size % self.page_size:
+            raise SpecError(
+                f"KVPoolSpec.swa.size={value.size} must be a multiple of page_size={self.page_size}"
+            )
+
+    @property
+    def num_pages(self) -> int:
+        return self.size // self.page_size
+
+    @property
+    def swa_num_pages(self) -> int:
+        return 0 if self.swa is None else self.swa.size // self.page_size
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        return self.swa is not None and layer_id in self.swa.layer_ids
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_swa_layer(i))
+
+    def layer_dims(self, layer_id: int) -> tuple[int, int, int]:
+        """(kv_heads, head_dim, v_head_dim) of one layer."""
+        if not 0 <= layer_id < self.num_layers:
+            raise KVLayoutError(
+                f"layer {layer_id} out of range: the pool has layers 0..{self.num_layers - 1}"
+            )
+        if self.is_swa_layer(layer_id):
+            assert self.swa is not None
+            return self.swa.kv_heads, self.swa.head_dim, self.swa.v_head_dim
+        return self.kv_heads, self.head_dim, self.v_head_dim
+
+    def bytes_per_token(self) -> int:
+        """K + V bytes one token occupies, summed over every layer."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for layer_id in range(self.num_layers):
+            heads, dk, dv = self.layer_dims(layer_id)
+            total += heads * (dk + dv) * elem
+        return total
+
