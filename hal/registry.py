@@ -54,7 +54,7 @@ class _Entry:
 
 _lock = threading.RLock()
 _entries: dict[str, _Entry] = {k: _Entry(v, "builtin") for k, v in _BUILTIN.items()}
-_instances: dict[tuple[str, int | None], Any] = {}
+_instances: dict[tuple[str, int | None, bool], Any] = {}
 _entry_points_loaded = False
 
 
@@ -136,14 +136,20 @@ def parse_device(device: str | torch.device) -> tuple[str, int | None]:
     return m.group(1).lower(), (int(m.group(2)) if m.group(2) is not None else None)
 
 
-def get_backend(device: str | torch.device = "auto") -> Backend:
-    """The backend bundle for ``device`` (``"npu"``, ``"npu:1"``, ``"cuda"``, ``"cpu"``, ``"auto"``)."""
+def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -> Backend:
+    """The backend bundle for ``device`` (``"npu"``, ``"npu:1"``, ``"cuda"``, ``"cpu"``, ``"auto"``).
+
+    ``emulate=True`` asks the backend to install its CPU stand-in for the vendor runtime first
+    (the backend class's ``install_emulation()``); it is never done implicitly.
+    """
     device_type, index = parse_device(device)
     with _lock:
         _load_entry_points()
         if device_type == "auto":
             if index is not None:
                 raise UnknownDeviceError(f"'auto' takes no index, got {device!r}")
+            if emulate:
+                raise UnknownDeviceError("'auto' cannot be emulated: name the device to emulate, e.g. 'npu'")
             reasons = []
             for candidate in AUTO_ORDER:
                 if candidate not in _entries:
@@ -157,10 +163,15 @@ def get_backend(device: str | torch.device = "auto") -> Backend:
             raise UnknownDeviceError(
                 f"unknown device {str(device)!r}: registered device types are {sorted(_entries)} (and 'auto')"
             )
-        key = (device_type, index)
+        key = (device_type, index, emulate)
         if key in _instances:
             return _instances[key]  # type: ignore[no-any-return]
         cls = _resolve_class(device_type)
+        if emulate:
+            install = getattr(cls, "install_emulation", None)
+            if install is None:
+                raise BackendUnavailableError(f"backend {device_type!r} has no emulator (no install_emulation())")
+            install()
         availability = _probe(cls)
         if not availability.available:
             hint = _INSTALL_HINT.get(device_type, "")

@@ -1,0 +1,204 @@
+"""Building blocks of the conformance suite: random cases checked against the CPU reference.
+
+A case fills a backend's pool and a CPU reference pool with the same prefix K/V (pages
+shuffled, so block tables are not contiguous), runs one attention forward on both, and
+compares outputs and the written cache with a per-dtype tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from hal.allocator import KVAllocator, RequestPageTable
+from hal.metadata import AttentionMetadata, build_metadata
+from hal.protocols import AttentionKernel, Backend, KVPool
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+
+# (atol, rtol) for outputs compared to the fp32-math reference on the same stored inputs:
+# about two ulps of the output dtype at magnitude 1.
+TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+@attrs.frozen
+class AttentionCase:
+    """One attention forward to check. ``kv_lens`` include the ``q_lens`` new tokens."""
+
+    mode: ForwardMode
+    layer: LayerSpec
+    kv_lens: tuple[int, ...] = attrs.field(converter=tuple)
+    q_lens: tuple[int, ...] = attrs.field(converter=tuple)
+    page_size: int = 16
+    dtype: torch.dtype = torch.float32
+    hybrid: bool = False  # put the layer in the SWA sub-pool of a hybrid pool
+    seed: int = 0
+
+    def describe(self) -> str:
+        lay = self.layer
+        parts = [
+            self.mode.name,
+            f"q{lay.num_q_heads}/kv{lay.num_kv_heads}",
+            f"d{lay.head_dim}/{lay.v_head_dim}",
+            f"ps{self.page_size}",
+            str(self.dtype).replace("torch.", ""),
+        ]
+        if lay.sliding_window is not None:
+            parts.append(f"swa{lay.sliding_window}{'-hybrid' if self.hybrid else ''}")
+        if lay.has_sinks:
+            parts.append("sinks")
+        return " ".join(parts) + f" kv={list(self.kv_lens)} q={list(self.q_lens)}"
+
+
+@attrs.define
+class CaseResult:
+    case: AttentionCase
+    passed: bool
+    max_abs_err: float
+    detail: str = ""
+
+
+@attrs.define
+class PreparedCase:
+    """A case materialised on one backend (and its CPU twin)."""
+
+    pool: KVPool
+    kernel: AttentionKernel
+    metadata: AttentionMetadata
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    sinks: torch.Tensor | None
+
+
+def pool_spec_for(case: AttentionCase, extra_pages: int = 3) -> KVPoolSpec:
+    lay = case.layer
+    pages = sum(-(-n // case.page_size) for n in case.kv_lens) + extra_pages
+    size = pages * case.page_size
+    num_layers = lay.layer_id + 1
+    if case.hybrid:
+        swa = SWAPoolSpec(
+            layer_ids=(lay.layer_id,), size=size, kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, v_head_dim=lay.v_head_dim
+        )
+        # The full part gets other dims so a layer routed to the wrong sub-pool fails loudly.
+        return KVPoolSpec(num_layers + 1, size + 2 * case.page_size, case.page_size, lay.num_kv_heads + 1, 16, 16, case.dtype, swa)
+    return KVPoolSpec(num_layers, size, case.page_size, lay.num_kv_heads, lay.head_dim, lay.v_head_dim, case.dtype)
+
+
+def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | None = None) -> tuple[PreparedCase, PreparedCase]:
+    """Materialise ``case`` on ``backend`` and on the CPU reference, with identical contents."""
+    from backends.cpu import CpuBackend
+
+    reference = reference or CpuBackend()
+    lay = case.layer
+    spec = pool_spec_for(case)
+    gen = torch.Generator().manual_seed(case.seed)
+    rng = random.Random(case.seed)
+    prepared = []
+    # Same page assignment in both pools: allocate, then shuffle identically.
+    page_lists: list[list[int]] | None = None
+    for be in (backend, reference):
+        pool = be.create_kv_pool(spec)
+        table = RequestPageTable(KVAllocator(pool))
+        for r, n in enumerate(case.kv_lens):
+            table.reserve(r, n)
+        if page_lists is None:
+            all_pages = [p for r in range(len(case.kv_lens)) for p in table.pages(r)]
+            shuffled = all_pages[:]
+            rng.shuffle(shuffled)
+            remap = dict(zip(all_pages, shuffled))
+            page_lists = [[remap[p] for p in table.pages(r)] for r in range(len(case.kv_lens))]
+        for r, pages in enumerate(page_lists):
+            table._pages[r] = list(pages)  # noqa: SLF001 - same pages, permuted order
+        prepared.append((be, pool, table))
+    assert page_lists is not None
+
+    heads, dk, dv = lay.num_kv_heads, lay.head_dim, lay.v_head_dim
+    prefix = [n - q for n, q in zip(case.kv_lens, case.q_lens)]
+    prefix_k = [torch.randn(p, heads, dk, generator=gen).to(case.dtype) for p in prefix]
+    prefix_v = [torch.randn(p, heads, dv, generator=gen).to(case.dtype) for p in prefix]
+    t = sum(case.q_lens)
+    q = torch.randn(t, lay.num_q_heads, dk, generator=gen).to(case.dtype)
+    k = torch.randn(t, heads, dk, generator=gen).to(case.dtype)
+    v = torch.randn(t, heads, dv, generator=gen).to(case.dtype)
+    # bf16-representable sinks: every backend sees the same values, whatever dtype its op wants.
+    sinks = (torch.randn(lay.num_q_heads, generator=gen) * 2).bfloat16().float() if lay.has_sinks else None
+
+    out = []
+    for be, pool, table in prepared:
+        dev = pool.device
+        for r, p in enumerate(prefix):
+            if p:
+                pool.set_kv(lay.layer_id, table.slots(r, range(p)).to(dev), prefix_k[r].to(dev), prefix_v[r].to(dev))
+        loc = torch.cat(
+            [table.slots(r, range(n - ql, n)) for r, (n, ql) in enumerate(zip(case.kv_lens, case.q_lens))]
+            or [torch.zeros(0, dtype=torch.int64)]
+        )
+        md = build_metadata(
+            case.mode, kv_lens=case.kv_lens, q_lens=case.q_lens, page_table=page_lists, out_cache_loc=loc, pool=pool
+        )
+        out.append(
+            PreparedCase(
+                pool, be.create_attention(pool), md, q.to(dev), k.to(dev), v.to(dev), None if sinks is None else sinks.to(dev)
+            )
+        )
+    return out[0], out[1]
+
+
+def run_attention_case(backend: Backend, case: AttentionCase) -> CaseResult:
+    """Run ``case`` on ``backend`` and the CPU reference; compare outputs and the written cache."""
+    got, ref = prepare_case(backend, case)
+    lay = case.layer
+    out = got.kernel.forward(got.q, got.k, got.v, lay, got.metadata, sinks=got.sinks)
+    expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.metadata, sinks=ref.sinks)
+    atol, rtol = TOLERANCE[case.dtype]
+    out_c = out.detach().to("cpu").float()
+    exp_c = expect.float()
+    if out_c.shape != exp_c.shape:
+        return CaseResult(case, False, float("inf"), f"output shape {tuple(out_c.shape)} != {tuple(exp_c.shape)}")
+    err = (out_c - exp_c).abs()
+    max_err = float(err.max()) if err.numel() else 0.0
+    ok = bool(torch.allclose(out_c, exp_c, atol=atol, rtol=rtol))
+    detail = "" if ok else f"output differs: max |err| {max_err:.3g} > atol {atol} + rtol {rtol}"
+    for name in ("k_buffer", "v_buffer"):
+        a = getattr(got.pool, name)(lay.layer_id).to("cpu")
+        b = getattr(ref.pool, name)(lay.layer_id)
+        if not torch.equal(a, b):
+            ok = False
+            detail += f"; {name} after the write differs from the reference"
+    return CaseResult(case, ok, max_err, detail.lstrip("; "))
+
+
+def standard_attention_cases(
+    *,
+    dtypes: Sequence[torch.dtype] = (torch.float32,),
+    page_sizes: Sequence[int] = (16,),
+    head_dims: Sequence[tuple[int, int]] = ((64, 32), (64, 64)),
+    heads: Sequence[tuple[int, int]] = ((4, 1), (4, 4)),
+    seed: int = 0,
+) -> list[AttentionCase]:
+    """Every forward mode crossed with window/sinks/hybrid, on ragged batches crossing page edges."""
+    cases = []
+    spec_tokens = 4
+    for dtype in dtypes:
+        for ps in page_sizes:
+            for dk, dv in head_dims:
+                for hq, hkv in heads:
+                    for window, sinks, hybrid in ((None, False, False), (None, True, False), (5, False, False), (5, True, True)):
+                        layer = LayerSpec(0, hq, hkv, dk, dv, scaling=dk**-0.5, sliding_window=window, has_sinks=sinks)
+                        long = 2 * ps + 3
+                        shapes = {
+                            ForwardMode.EXTEND: ((long, 7, ps), (long, 3, ps)),  # prefix + new, incl. a full prefill
+                            ForwardMode.DECODE: ((long, 1, ps + 1, 2), (1, 1, 1, 1)),
+                            ForwardMode.TARGET_VERIFY: ((long, ps + 2, spec_tokens), (spec_tokens,) * 3),
+                            ForwardMode.DRAFT_EXTEND_V2: ((ps, long, spec_tokens + 1), (spec_tokens,) * 3),
+                        }
+                        for mode, (kv, q) in shapes.items():
+                            cases.append(AttentionCase(mode, layer, kv, q, ps, dtype, hybrid, seed + len(cases)))
+    return cases
