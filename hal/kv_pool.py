@@ -61,7 +61,7 @@ class SplitKVPool:
 
     # -- layout ----------------------------------------------------------------------------
     def _check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.spec.num_layers:
             raise KVLayoutError(f"layer {layer!r} out of range: the pool has layers 0..{self.spec.num_layers - 1}")
 
     def k_buffer(self, layer: int) -> torch.Tensor:
@@ -95,6 +95,7 @@ class SplitKVPool:
 
     def num_slots(self, layer: int) -> int:
         """Slots addressable in the layer's sub-pool, padding page included."""
+        self._check_layer(layer)
         return self._k_views[layer].shape[0] * self.spec.page_size
 
     # -- SWA mapping -----------------------------------------------------------------------
@@ -119,6 +120,8 @@ class SplitKVPool:
         if self.full_to_swa_page is None:
             raise KVLayoutError("unmap_swa_pages: this pool has no SWA part")
         full_pages = torch.as_tensor(full_pages, dtype=torch.int64, device=self.device).reshape(-1)
+        if full_pages.numel() and (int(full_pages.min()) < 0 or int(full_pages.max()) > self.spec.num_pages):
+            raise CacheLocationError(f"unmap_swa_pages: full pages must lie in 0..{self.spec.num_pages}")
         self.full_to_swa_page[full_pages] = 0
 
     def swa_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
@@ -145,6 +148,8 @@ class SplitKVPool:
             raise KVLayoutError(f"set_kv: loc must be a 1-D int32/int64 tensor, got {desc}")
         n = loc.shape[0]
         for name, x, d in (("k", k, dk), ("v", v, dv)):
+            if not isinstance(x, torch.Tensor):
+                raise KVLayoutError(f"set_kv layer {layer}: {name} must be a tensor, got {type(x).__name__}")
             if tuple(x.shape) != (n, heads, d):
                 raise KVLayoutError(
                     f"set_kv layer {layer}: {name} has shape {tuple(x.shape)}, expected ({n}, {heads}, {d})"

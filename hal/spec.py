@@ -91,7 +91,7 @@ class LayerSpec:
 
     @layer_id.validator
     def _check_layer_id(self, attribute: attrs.Attribute, value: int) -> None:
-        if not isinstance(value, int) or value < 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise SpecError(f"LayerSpec.layer_id must be an int >= 0, got {value!r}")
 
     @num_kv_heads.validator
@@ -154,6 +154,7 @@ class KVPoolSpec:
 
     @size.validator
     def _check_size(self, attribute: attrs.Attribute, value: int) -> None:
+        _positive(self, attrs.fields(KVPoolSpec).page_size, self.page_size)  # validated after size otherwise
         if value % self.page_size:
             raise SpecError(
                 f"KVPoolSpec.size={value} must be a multiple of page_size={self.page_size}"

@@ -1,0 +1,37 @@
+"""Hypothesis profiles for the whole suite.
+
+- ``ci`` (chosen when the ``CI`` environment variable is set): derandomized, so a CI failure
+  reproduces locally with ``CI=1``; no deadline (torch's first calls are slow and timing is
+  not what the properties check).
+- ``dev`` (default): random exploration with the example database, no deadline.
+``HYPOTHESIS_PROFILE=<name>`` picks a profile explicitly.
+
+Both keep hypothesis' usual 100 examples per test, so tests that do not ask for a budget are
+not slowed down. hal's own properties ask for one of two named budgets on top of the loaded
+profile (they inherit its deadline and derandomization):
+
+    CHEAP = settings.get_profile("hal-cheap")          # pool / metadata / allocator properties
+    EXPENSIVE = settings.get_profile("hal-expensive")  # attention and graph-runner properties
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+IN_CI = bool(os.environ.get("CI"))
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if IN_CI else "dev"))
+
+settings.register_profile("hal-cheap", parent=settings.default, max_examples=300 if IN_CI else 60)
+settings.register_profile("hal-expensive", parent=settings.default, max_examples=40 if IN_CI else 12)
