@@ -1,0 +1,137 @@
+"""The CUDA backend: Triton paged attention, ``torch.cuda.CUDAGraph``, indexed-copy KV writes.
+
+Importing this module does not import triton; the kernel module is imported on the first
+attention call. ``CudaBackend.install_emulation()`` (what ``hal.get_backend("cuda", emulate=True)``
+calls) switches the process to the Triton CPU interpreter so the same kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from typing import Any, ClassVar
+
+import torch
+
+from backends.cpu.graph import EagerGraph
+from backends.cuda.attention import CudaAttention
+from backends.cuda.graph import CudaGraph
+from hal.errors import BackendUnavailableError
+from hal.kv_pool import SplitKVPool
+from hal.protocols import Availability
+from hal.spec import KVPoolSpec
+
+_INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+class CudaKVPool(SplitKVPool):
+    """Split K/V pool in device memory; ``set_kv`` writes with one ``index_copy_`` per buffer
+    (the ``SplitKVPool`` default), which reads no device values and so is graph-capturable."""
+
+
+def _triton_version() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class CudaBackend:
+    """NVIDIA GPUs through Triton and CUDA graphs (NCCL for collectives).
+
+    Under emulation the device is the CPU, kernels run in the Triton interpreter, and
+    ``create_graph()`` returns an ``EagerGraph``: there is no CUDA runtime to capture with, so
+    replays re-run the captured function on the same static buffers, which is what a CUDA graph
+    replay feeds its kernels too (stale host values included).
+    """
+
+    name = "cuda"
+    device_type = "cuda"
+    collective_backend = "nccl"
+    _emulation: ClassVar[bool] = False
+
+    def __init__(self, index: int | None = None) -> None:
+        self.emulated = type(self)._emulation
+        if self.emulated:
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+    @classmethod
+    def install_emulation(cls) -> None:
+        """Run the Triton kernels on CPU tensors in the Triton interpreter (process-wide, explicit only).
+
+        Must happen before triton is imported: ``@triton.jit`` picks compiled or interpreted
+        kernels when the kernel module is imported.
+        """
+        if _triton_version() is None:
+            raise BackendUnavailableError("cuda emulation needs triton (pip install '.[cuda]'): it is not installed")
+        if os.environ.get(_INTERPRET_ENV) != "1" and (
+            "triton" in sys.modules or "backends.cuda.triton_attention" in sys.modules
+        ):
+            raise BackendUnavailableError(
+                f"cuda emulation must be installed before triton is imported, but triton is already imported "
+                f"with {_INTERPRET_ENV}={os.environ.get(_INTERPRET_ENV)!r}; set {_INTERPRET_ENV}=1 in the environment "
+                "or call hal.get_backend('cuda', emulate=True) before anything imports triton"
+            )
+        os.environ[_INTERPRET_ENV] = "1"
+        cls._emulation = True
+
+    @classmethod
+    def probe(cls) -> Availability:
+        triton_version = _triton_version()
+        versions = {"torch": torch.__version__}
+        if triton_version is not None:
+            versions["triton"] = triton_version
+        if cls._emulation:
+            return Availability(
+                True,
+                f"emulated: Triton interpreter on CPU tensors ({_INTERPRET_ENV}=1), eager graphs",
+                device_count=1,
+                versions=versions,
+            )
+        missing = []
+        count = 0
+        if torch.version.cuda is None:
+            missing.append(f"torch {torch.__version__} is built without CUDA (torch.version.cuda is None)")
+        else:
+            versions["cuda"] = torch.version.cuda
+            count = torch.cuda.device_count()
+            if count == 0:
+                missing.append("no CUDA device is visible (torch.cuda.device_count() == 0)")
+        if triton_version is None:
+            missing.append("triton is not installed")
+        if missing:
+            return Availability(False, "; ".join(missing), device_count=count, versions=versions)
+        return Availability(True, torch.cuda.get_device_name(0), device_count=count, versions=versions)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.probe().available
+
+    def create_kv_pool(self, spec: KVPoolSpec) -> CudaKVPool:
+        return CudaKVPool(spec, self.device)
+
+    def create_attention(self, pool: CudaKVPool) -> CudaAttention:
+        return CudaAttention(pool)
+
+    def create_graph(self) -> CudaGraph | EagerGraph:
+        return EagerGraph() if self.emulated else CudaGraph(self.device)
+
+    def graph_memory_pool(self) -> Any:
+        """A fresh CUDA graph memory pool handle; one runner shares it across its batch sizes."""
+        return None if self.emulated else torch.cuda.graph_pool_handle()
+
+    def synchronize(self) -> None:
+        if not self.emulated:
+            torch.cuda.synchronize(self.device)
+
+    def __repr__(self) -> str:
+        return f"CudaBackend(device={self.device}{', emulated' if self.emulated else ''})"
+
+
+__all__ = ["CudaAttention", "CudaBackend", "CudaGraph", "CudaKVPool"]
