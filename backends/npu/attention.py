@@ -1,0 +1,180 @@
+"""Paged attention on Ascend: one ``npu_fused_infer_attention_score_v2`` call per layer, TND layout.
+
+Every forward mode goes through the same call: packed query rows (TND), cumulative query ends as
+``actual_seq_qlen``, per-request KV lengths (including the new tokens) as ``actual_seq_kvlen``, and
+the split K/V pool viewed as ``(num_pages + 1, page_size, kv_heads * dim)`` caches with the block
+table. Full layers use the right-down causal mode (3); sliding-window layers the band mode (4)
+with ``pre_tokens = W``, ``next_tokens = 0``, which is exactly hal's window convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from backends.npu import runtime
+from hal.attention import block_table_for, validate_attention_call
+from hal.errors import UnsupportedConfigError
+from hal.graph import record_updatable_call
+from hal.metadata import AttentionMetadata
+from hal.protocols import KVPool
+from hal.spec import ForwardMode, LayerSpec
+
+INT_MAX = 2147483647
+SPARSE_RIGHT_DOWN_CAUSAL = 3
+SPARSE_BAND = 4
+TEMPLATE_MASK_SIZE = 2048
+
+# What FIA v2 accepts in TND with a paged cache (npu_ops_spec.md §1.5, §1.6, §1.9, §1.10).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+TND_HEAD_DIMS = frozenset({(128, 128), (192, 128), (192, 192)})  # (qk, v)
+SINK_QK_HEAD_DIMS = frozenset({64, 128, 192})
+MAX_SINK_V_HEAD_DIM = 128
+MAX_GQA_RATIO = 64
+MAX_HEADS = 256
+MAX_KV_HIDDEN = 65535
+MAX_BATCH = 4096
+
+# The host-side length arguments of the FIA call, computed from the metadata in one place: the eager
+# call and a captured call's graph update both read them from here.
+_HOST_LENGTHS: Mapping[str, Callable[[AttentionMetadata], list[int]]] = {
+    "actual_seq_qlen": lambda md: list(md.cu_q_lens_cpu),  # cumulative query ends (TND)
+    "actual_seq_kvlen": lambda md: list(md.kv_lens_cpu),  # per-request KV length (paged)
+}
+# Host parameters a captured FIA call needs refreshed on each replay, by forward mode. The query
+# offsets of a padded graph batch are fixed, but refreshing them costs nothing and keeps a graph
+# correct if its shape ever changes.
+UPDATABLE_HOST_PARAMS: Mapping[ForwardMode, tuple[str, ...]] = {
+    ForwardMode.EXTEND: ("actual_seq_qlen", "actual_seq_kvlen"),
+    ForwardMode.DECODE: ("actual_seq_qlen", "actual_seq_kvlen"),
+    ForwardMode.TARGET_VERIFY: ("actual_seq_qlen", "actual_seq_kvlen"),
+    ForwardMode.DRAFT_EXTEND_V2: ("actual_seq_qlen", "actual_seq_kvlen"),
+    ForwardMode.IDLE: (),
+}
+
+_templates: dict[torch.device, torch.Tensor] = {}
+
+
+def causal_template_mask(device: torch.device) -> torch.Tensor:
+    """The 2048x2048 template FIA sparse modes 3/4 take (True above the diagonal), one per device."""
+    if device not in _templates:
+        ones = torch.ones(TEMPLATE_MASK_SIZE, TEMPLATE_MASK_SIZE, dtype=torch.bool, device=device)
+        _templates[device] = torch.triu(ones, diagonal=1)
+    return _templates[device]
+
+
+def host_lengths(metadata: AttentionMetadata) -> dict[str, list[int]]:
+    """The FIA v2 host length arguments for ``metadata``."""
+    return {name: build(metadata) for name, build in _HOST_LENGTHS.items()}
+
+
+def unsupported_reason(layer: LayerSpec, dtype: torch.dtype, page_size: int, max_q_len: int, batch: int) -> str | None:
+    """Why FIA v2 (TND, paged) cannot run this layer, or None if it can."""
+    dk, dv = layer.head_dim, layer.v_head_dim
+    if dtype not in SUPPORTED_DTYPES:
+        return f"FIA v2 takes float16/bfloat16 queries, the KV pool stores {dtype} (use a bf16 or fp16 pool)"
+    if (dk, dv) not in TND_HEAD_DIMS:
+        return f"FIA v2 in TND needs (qk, v) head dims in {sorted(TND_HEAD_DIMS)}, layer has ({dk}, {dv})"
+    if layer.has_sinks and dk not in SINK_QK_HEAD_DIMS:
+        return f"learnable sinks need a qk head dim in {sorted(SINK_QK_HEAD_DIMS)}, layer has {dk}"
+    if layer.has_sinks and dv > MAX_SINK_V_HEAD_DIM:
+        return f"learnable sinks need a v head dim <= {MAX_SINK_V_HEAD_DIM}, layer has {dv}"
+    if layer.group_size > MAX_GQA_RATIO or layer.num_q_heads > MAX_HEADS:
+        return (
+            f"FIA v2 needs num_q_heads <= {MAX_HEADS} and q/kv heads <= {MAX_GQA_RATIO}, layer has "
+            f"{layer.num_q_heads}/{layer.num_kv_heads}"
+        )
+    if layer.num_kv_heads * dk > MAX_KV_HIDDEN:
+        return f"FIA v2 needs kv_heads * head_dim <= {MAX_KV_HIDDEN}, layer has {layer.num_kv_heads * dk}"
+    if dk in (64, 128):
+        ok, rule = page_size % 16 == 0 and page_size <= 1024, "a multiple of 16 up to 1024"
+    elif max_q_len > 1:
+        ok, rule = page_size % 128 == 0 and page_size <= 512, "a multiple of 128 in [128, 512] for multi-token queries"
+    else:
+        ok, rule = page_size % 16 == 0 and page_size <= 512, "a multiple of 16 up to 512"
+    if not ok:
+        return f"FIA v2 with head dim {dk} needs a page size that is {rule}, the pool has {page_size}"
+    if batch > MAX_BATCH:
+        return f"FIA v2 in TND takes at most {MAX_BATCH} requests per call, got {batch}"
+    return None
+
+
+class NpuAttention:
+    """``AttentionKernel`` on Ascend: writes K/V by scatter, then one FIA v2 call."""
+
+    # A padded graph request sees one key (slot 0 of the padding page): FIA's causal mode needs
+    # q_len <= kv_len per request, so an empty padded request is not an option.
+    seq_len_fill_value = 1
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._mask = causal_template_mask(pool.device)
+        self._checked: set[tuple[LayerSpec, bool]] = set()
+
+    def check_supported(self, layer: LayerSpec, metadata: AttentionMetadata) -> None:
+        """Raise UnsupportedConfigError if FIA v2 cannot run ``layer`` on this pool for ``metadata``."""
+        max_q = max(metadata.q_lens_cpu, default=0)
+        key = (layer, max_q > 1)
+        if key in self._checked and metadata.batch_size <= MAX_BATCH:
+            return
+        spec = self.pool.spec
+        reason = unsupported_reason(layer, spec.dtype, spec.page_size, max_q, metadata.batch_size)
+        if reason is not None:
+            raise UnsupportedConfigError(f"NPU attention, layer {layer.layer_id}: {reason}")
+        self._checked.add(key)
+
+    def fia_arguments(
+        self, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+    ) -> dict[str, Any]:
+        """Keyword arguments of the FIA v2 call for ``layer`` (everything but query/key/value)."""
+        swa = layer.sliding_window is not None
+        kwargs: dict[str, Any] = {
+            "atten_mask": self._mask,
+            "block_table": block_table_for(self.pool, layer, metadata),
+            "num_query_heads": layer.num_q_heads,
+            "num_key_value_heads": layer.num_kv_heads,
+            "softmax_scale": layer.scaling,
+            "pre_tokens": layer.sliding_window if swa else INT_MAX,
+            "next_tokens": 0 if swa else INT_MAX,
+            "input_layout": "TND",
+            "sparse_mode": SPARSE_BAND if swa else SPARSE_RIGHT_DOWN_CAUSAL,
+            "block_size": self.pool.spec.page_size,
+            **host_lengths(metadata),
+        }
+        if sinks is not None:
+            kwargs["learnable_sink"] = sinks.to(torch.bfloat16)
+        return kwargs
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: LayerSpec,
+        metadata: AttentionMetadata,
+        save_kv_cache: bool = True,
+        *,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks)
+        self.check_supported(layer, metadata)
+        if save_kv_cache:
+            self.pool.set_kv(layer.layer_id, metadata.out_cache_loc, k, v)
+        if metadata.num_tokens == 0:
+            return q.new_zeros((0, layer.num_q_heads, layer.v_head_dim))
+        page_size = self.pool.spec.page_size
+        k_cache = self.pool.k_buffer(layer.layer_id)
+        v_cache = self.pool.v_buffer(layer.layer_id)
+        k_cache = k_cache.view(k_cache.shape[0], page_size, -1)
+        v_cache = v_cache.view(v_cache.shape[0], page_size, -1)
+        kwargs = self.fia_arguments(layer, metadata, sinks)
+        record_updatable_call(self, layer)  # no-op outside a graph capture
+        out, _ = runtime.torch_npu().npu_fused_infer_attention_score_v2(q, k_cache, v_cache, **kwargs)
+        return out  # type: ignore[no-any-return]
+
+    def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
+        """The host arguments of this layer's captured FIA call, for ``metadata``."""
+        lengths = host_lengths(metadata)
+        return {name: lengths[name] for name in UPDATABLE_HOST_PARAMS[metadata.mode]}
