@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from hal.errors import CacheLocationError, OutOfPagesError
+from hal.errors import CacheLocationError, OutOfPagesError, SpecError
 from hal.protocols import KVPool
 
 
@@ -23,8 +23,8 @@ class PageAllocator:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"alloc: page count must be >= 0, got {n}")
+        if not isinstance(n, int) or n < 0:
+            raise SpecError(f"alloc: page count must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise OutOfPagesError(f"alloc: asked for {n} pages, {len(self._free)} of {self.num_pages} free")
         pages = [self._free.pop() for _ in range(n)]
@@ -78,9 +78,9 @@ class KVAllocator:
         if not pages:
             return
         if self.swa is not None:
+            self.full.free(pages)  # validates first: the mapping lookup below needs allocated pages
             mapping = self.pool.full_to_swa_page  # type: ignore[attr-defined]
             swa_pages = mapping[torch.tensor(pages, device=mapping.device)].tolist()
-            self.full.free(pages)
             self.pool.unmap_swa_pages(torch.tensor(pages))  # type: ignore[attr-defined]
             self.swa.free(swa_pages)
         else:

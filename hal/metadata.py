@@ -34,6 +34,12 @@ def _int_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
+def _check_request_lengths(where: str, q_lens: Sequence[int], kv_lens: Sequence[int]) -> None:
+    for i, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        if q < 0 or kv < q:
+            raise SpecError(f"{where} request {i}: need 0 <= q_len <= kv_len, got q_len={q}, kv_len={kv}")
+
+
 @attrs.frozen(eq=False)
 class AttentionMetadata:
     """Everything an attention kernel needs for one forward. Build it with ``build_metadata``.
@@ -61,11 +67,7 @@ class AttentionMetadata:
             raise SpecError(
                 f"AttentionMetadata.q_lens has {len(self.q_lens_cpu)} entries, kv_lens has {b}"
             )
-        for i, (q, kv) in enumerate(zip(self.q_lens_cpu, self.kv_lens_cpu)):
-            if q < 0 or kv < q:
-                raise SpecError(
-                    f"AttentionMetadata request {i}: need 0 <= q_len <= kv_len, got q_len={q}, kv_len={kv}"
-                )
+        _check_request_lengths("AttentionMetadata", self.q_lens_cpu, self.kv_lens_cpu)
         if self.mode.is_decode() and any(q != 1 for q in self.q_lens_cpu):
             raise SpecError(f"AttentionMetadata: DECODE needs q_len 1 per request, got {self.q_lens_cpu}")
         if self.mode.has_uniform_query_len() and len(set(self.q_lens_cpu)) > 1:
@@ -153,9 +155,17 @@ def build_metadata(
     q = _int_tuple(q_lens)
     if len(kv) != len(q):
         raise SpecError(f"build_metadata: {len(q)} q_lens but {len(kv)} kv_lens")
+    _check_request_lengths("build_metadata", q, kv)  # before any tensor op trips on a bad length
     rows = [list(_int_tuple(r)) for r in page_table]
     if len(rows) != len(kv):
         raise SpecError(f"build_metadata: page_table has {len(rows)} rows for {len(kv)} requests")
+    # A negative page id would silently wrap when a kernel indexes the pool.
+    last_page = pool.spec.num_pages if pool is not None else None
+    for i, row in enumerate(rows):
+        bad = [p for p in row if p < 0 or (last_page is not None and p > last_page)]
+        if bad:
+            expected = f"0..{last_page}" if last_page is not None else ">= 0"
+            raise SpecError(f"build_metadata: page_table row {i} has page ids {bad}, expected {expected}")
     need = [-(-n // page_size) for n in kv]
     for i, (row, n) in enumerate(zip(rows, need)):
         if len(row) < n:
@@ -202,23 +212,33 @@ def build_metadata(
     )
 
 
-def pad_metadata(metadata: AttentionMetadata, batch_size: int, *, fill: int, max_pages: int) -> AttentionMetadata:
+def pad_metadata(
+    metadata: AttentionMetadata, batch_size: int, *, fill: int, max_pages: int, q_len: int | None = None
+) -> AttentionMetadata:
     """Pad a uniform-q-len batch to ``batch_size`` requests and ``max_pages`` block-table columns.
 
     Padded requests carry the same q_len as the real ones, write to slot 0 (the padding slot),
     read page 0 only, and have ``kv_len = fill + q_len - 1`` (so their first token sees ``fill``
-    keys, as ``seq_len_fill_value`` means). Runs on the device; reads no device memory.
+    keys, as ``seq_len_fill_value`` means). ``q_len`` is the per-request query length, needed
+    when the batch is empty (default 1 then). Runs on the device; reads no device memory.
     """
     b = metadata.batch_size
     if batch_size < b:
         raise SpecError(f"pad_metadata: batch_size={batch_size} is below the real batch of {b}")
+    if not isinstance(fill, int) or fill < 1:
+        raise SpecError(
+            f"pad_metadata: fill={fill!r} must be an int >= 1 (kv_lens include the new tokens, so a "
+            "padded request's first token sees at least itself)"
+        )
+    if b and q_len is not None and q_len != metadata.q_lens_cpu[0]:
+        raise SpecError(f"pad_metadata: q_len={q_len} but the batch has q_len {metadata.q_lens_cpu[0]}")
     if not metadata.mode.has_uniform_query_len():
         raise SpecError(f"pad_metadata: {metadata.mode.name} batches have ragged q_lens and cannot be padded")
     if metadata.block_table.shape[1] > max_pages:
         raise SpecError(
             f"pad_metadata: block table has {metadata.block_table.shape[1]} pages, more than max_pages={max_pages}"
         )
-    q_len = metadata.q_lens_cpu[0] if b else 1
+    q_len = metadata.q_lens_cpu[0] if b else (1 if q_len is None else q_len)
     pad = batch_size - b
     pad_kv = fill + q_len - 1
     dev = metadata.kv_lens.device

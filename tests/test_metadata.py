@@ -1,0 +1,265 @@
+"""build_metadata and pad_metadata against brute-force per-request construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hal.errors import SpecError
+from hal.kv_pool import SplitKVPool
+from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
+from hal.spec import ForwardMode, KVPoolSpec, SWAPoolSpec
+
+CHEAP = settings.get_profile("hal-cheap")
+M = ForwardMode
+UNIFORM_MODES = [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]
+
+
+@st.composite
+def batches(draw: st.DrawFn, modes: tuple[ForwardMode, ...] = (M.EXTEND, *UNIFORM_MODES), max_batch: int = 6):
+    """(mode, page_size, kv_lens, q_lens, page rows, num_pages) with pages scattered over a pool."""
+    mode = draw(st.sampled_from(modes))
+    page_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    b = draw(st.integers(0, max_batch))
+    longest = 4 * page_size + 3  # crosses several page boundaries
+    if mode is M.EXTEND:
+        kv = draw(st.lists(st.integers(0, longest), min_size=b, max_size=b))
+        q = [draw(st.integers(0, n)) for n in kv]
+    else:
+        q_len = 1 if mode is M.DECODE else draw(st.integers(1, 6))
+        kv = draw(st.lists(st.integers(q_len, longest + q_len), min_size=b, max_size=b))
+        q = [q_len] * b
+    need = [-(-n // page_size) for n in kv]
+    extra = [draw(st.integers(0, 2)) for _ in kv]  # rows may list more pages than needed
+    num_pages = sum(need) + sum(extra) + draw(st.integers(0, 3))
+    order = list(range(1, num_pages + 1))
+    draw(st.randoms(use_true_random=False)).shuffle(order)  # pages scattered, not contiguous
+    rows, at = [], 0
+    for n, e in zip(need, extra):
+        rows.append(list(order[at : at + n + e]))
+        at += n + e
+    return mode, page_size, kv, q, rows, num_pages
+
+
+def brute_force(kv: list[int], q: list[int], rows: list[list[int]], page_size: int, max_pages: int | None):
+    cu, positions, acc = [0], [], 0
+    for n, ql in zip(kv, q):
+        acc += ql
+        cu.append(acc)
+        for i in range(ql):
+            positions.append(n - ql + i)
+    width = max_pages if max_pages is not None else max([-(-n // page_size) for n in kv] + [1])
+    table = [[row[i] if i < len(row) else 0 for i in range(width)] for row in rows]
+    return cu, positions, table
+
+
+def slots_for(kv: list[int], q: list[int], rows: list[list[int]], page_size: int) -> list[int]:
+    out = []
+    for n, ql, row in zip(kv, q, rows):
+        for p in range(n - ql, n):
+            out.append(row[p // page_size] * page_size + p % page_size)
+    return out
+
+
+@CHEAP
+@given(batch=batches(), data=st.data())
+def test_build_metadata_matches_brute_force(batch, data) -> None:
+    mode, ps, kv, q, rows, _ = batch
+    need = max([-(-n // ps) for n in kv] + [1])
+    max_pages = data.draw(st.one_of(st.none(), st.integers(need, need + 3)))
+    as_tensors = data.draw(st.booleans())
+    loc = slots_for(kv, q, rows, ps)
+    kwargs = dict(kv_lens=kv, q_lens=q, page_table=rows, out_cache_loc=loc)
+    if as_tensors and rows and len({len(r) for r in rows}) == 1:
+        kwargs = dict(
+            kv_lens=torch.tensor(kv), q_lens=torch.tensor(q), page_table=torch.tensor(rows), out_cache_loc=torch.tensor(loc)
+        )
+    md = build_metadata(mode, page_size=ps, max_pages=max_pages, **kwargs)
+
+    cu, positions, table = brute_force(kv, q, rows, ps, max_pages)
+    assert md.mode is mode and md.page_size == ps
+    assert md.batch_size == len(kv) and md.num_tokens == sum(q)
+    assert md.kv_lens_cpu == tuple(kv) and md.q_lens_cpu == tuple(q)
+    assert md.cu_q_lens.tolist() == cu
+    assert md.cu_q_lens_cpu == tuple(cu[1:])
+    assert md.kv_lens.tolist() == kv and md.q_lens.tolist() == q
+    assert md.positions.tolist() == positions
+    assert md.out_cache_loc.tolist() == loc
+    assert md.block_table.tolist() == (table if kv else [])
+    assert md.swa_block_table is None
+    assert (md.kv_lens.dtype, md.q_lens.dtype, md.cu_q_lens.dtype) == (torch.int32,) * 3
+    assert (md.positions.dtype, md.out_cache_loc.dtype, md.block_table.dtype) == (torch.int64, torch.int64, torch.int32)
+    assert set(md.tensors()) == {"kv_lens", "q_lens", "cu_q_lens", "positions", "out_cache_loc", "block_table"}
+
+
+@CHEAP
+@given(batch=batches(), data=st.data())
+def test_swa_block_table_goes_through_the_pool_mapping(batch, data) -> None:
+    mode, ps, kv, q, rows, num_pages = batch
+    num_pages = max(num_pages, 1)
+    swa_pages = data.draw(st.integers(1, num_pages))
+    spec = KVPoolSpec(2, num_pages * ps, ps, 1, 4, 4, swa=SWAPoolSpec((1,), swa_pages * ps, 1, 4, 4))
+    pool = SplitKVPool(spec)
+    rng = data.draw(st.randoms(use_true_random=False))
+    full, swa = rng.sample(range(1, num_pages + 1), num_pages), rng.sample(range(1, swa_pages + 1), swa_pages)
+    n = data.draw(st.integers(0, swa_pages))
+    mapping = dict(zip(full[:n], swa[:n]))
+    if mapping:
+        pool.map_swa_pages(torch.tensor(list(mapping)), torch.tensor(list(mapping.values())))
+    md = build_metadata(mode, kv_lens=kv, q_lens=q, page_table=rows, out_cache_loc=slots_for(kv, q, rows, ps), pool=pool)
+
+    _, _, table = brute_force(kv, q, rows, ps, None)
+    assert md.page_size == ps and md.block_table.device == pool.device
+    assert md.block_table.tolist() == (table if kv else [])
+    assert md.swa_block_table is not None
+    assert md.swa_block_table.dtype == md.block_table.dtype
+    assert md.swa_block_table.tolist() == [[mapping.get(p, 0) for p in row] for row in (table if kv else [])]
+    assert "swa_block_table" in md.tensors()
+
+
+def _md(mode=M.EXTEND, kv=(5, 3), q=(2, 3), rows=((1, 2), (3,)), ps=4, **kwargs) -> AttentionMetadata:
+    loc = kwargs.pop("out_cache_loc", list(range(sum(q))))
+    return build_metadata(mode, kv_lens=list(kv), q_lens=list(q), page_table=[list(r) for r in rows],
+                          out_cache_loc=loc, page_size=ps, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(kv=(5, 2), q=(2, 3)), r"request 1: need 0 <= q_len <= kv_len, got q_len=3, kv_len=2"),
+        (dict(kv=(5, 3), q=(-1, 3)), r"request 0: need 0 <= q_len <= kv_len, got q_len=-1"),
+        (dict(kv=(5,), q=(2, 3), rows=((1, 2),)), r"2 q_lens but 1 kv_lens"),
+        (dict(rows=((1, 2),)), r"page_table has 1 rows for 2 requests"),
+        (dict(rows=((1,), (3,))), r"request 0 has kv_len 5 but only 1 pages of 4"),
+        (dict(max_pages=1), r"max_pages=1 is below the 2 pages"),
+        (dict(mode=M.DECODE, kv=(5, 3), q=(1, 2)), r"DECODE needs q_len 1"),
+        (dict(mode=M.TARGET_VERIFY, kv=(5, 3), q=(2, 3)), r"TARGET_VERIFY needs the same q_len"),
+        (dict(mode=M.DRAFT_EXTEND_V2, kv=(5, 3), q=(3, 2)), r"DRAFT_EXTEND_V2 needs the same q_len"),
+        (dict(out_cache_loc=[0, 1, 2, 3]), r"out_cache_loc has shape \(4,\), expected \(5,\)"),
+        (dict(rows=((1, -2), (3,))), r"page_table row 0 has page ids \[-2\]"),
+        (dict(ps=None), r"needs page_size"),
+    ],
+)
+def test_build_metadata_errors_name_the_field(kwargs, fragment: str) -> None:
+    with pytest.raises(SpecError, match=fragment):
+        _md(**kwargs)
+
+
+def test_page_ids_beyond_the_pool_are_rejected() -> None:
+    pool = SplitKVPool(KVPoolSpec(1, 12, 4, 1, 2, 2))  # pages 1..3
+    with pytest.raises(SpecError, match=r"page_table row 1 has page ids \[4\], expected 0\.\.3"):
+        build_metadata(M.EXTEND, kv_lens=[4, 4], q_lens=[1, 1], page_table=[[3], [4]], out_cache_loc=[0, 1], pool=pool)
+
+
+def test_metadata_constructor_checks_tensor_shapes() -> None:
+    good = _md().tensors()
+    for name, bad in [
+        ("kv_lens", torch.zeros(3, dtype=torch.int32)),
+        ("cu_q_lens", torch.zeros(2, dtype=torch.int32)),
+        ("positions", torch.zeros(4, dtype=torch.int64)),
+        ("block_table", torch.zeros(2, dtype=torch.int32)),
+        ("block_table", torch.zeros(2, 1, dtype=torch.int32)),  # 4 tokens of capacity < kv_len 5
+    ]:
+        fields = dict(good, **{name: bad})
+        with pytest.raises(SpecError, match=f"AttentionMetadata.{name}"):
+            AttentionMetadata(mode=M.EXTEND, page_size=4, kv_lens_cpu=(5, 3), q_lens_cpu=(2, 3), **fields)
+
+
+@CHEAP
+@given(batch=batches(modes=tuple(UNIFORM_MODES)), data=st.data())
+def test_pad_metadata_properties(batch, data) -> None:
+    mode, ps, kv, q, rows, _ = batch
+    q_len = q[0] if q else 1
+    md = build_metadata(mode, kv_lens=kv, q_lens=q, page_table=rows, out_cache_loc=slots_for(kv, q, rows, ps), page_size=ps)
+    b, width = md.batch_size, md.block_table.shape[1]
+    bs = data.draw(st.integers(b, b + 5))
+    fill = data.draw(st.integers(1, 3))
+    pad_kv = fill + q_len - 1
+    # The table must hold the padded requests' kv_len too (all page 0); narrower is an error.
+    min_pages = max(width, -(-pad_kv // ps)) if bs > b else width
+    max_pages = data.draw(st.integers(min_pages, min_pages + 3))
+    padded = pad_metadata(md, bs, fill=fill, max_pages=max_pages)
+
+    assert padded.mode is mode and padded.page_size == ps
+    assert padded.kv_lens_cpu == tuple(kv) + (pad_kv,) * (bs - b)
+    assert padded.q_lens_cpu == tuple(q) + (q_len,) * (bs - b)
+    assert padded.kv_lens.tolist() == list(padded.kv_lens_cpu)
+    assert padded.q_lens.tolist() == list(padded.q_lens_cpu)
+    cu = [0]
+    for ql in padded.q_lens_cpu:
+        cu.append(cu[-1] + ql)
+    assert padded.cu_q_lens.tolist() == cu
+    # Positions follow the one convention (kv_len - q_len + i), padded requests included.
+    expect_pos = [n - ql + i for n, ql in zip(padded.kv_lens_cpu, padded.q_lens_cpu) for i in range(ql)]
+    assert padded.positions.tolist() == expect_pos
+    assert padded.positions[: md.num_tokens].tolist() == md.positions.tolist()
+    # Padded tokens write the padding slot and read the padding page only.
+    assert padded.out_cache_loc.tolist() == md.out_cache_loc.tolist() + [0] * ((bs - b) * q_len)
+    table = md.block_table.tolist() if b else []
+    assert padded.block_table.tolist() == [r + [0] * (max_pages - width) for r in table] + [[0] * max_pages] * (bs - b)
+    for name, t in md.tensors().items():
+        assert padded.tensors()[name].dtype == t.dtype, name
+    # Padding twice in steps equals padding once.
+    mid = data.draw(st.integers(b, bs))
+    twice = pad_metadata(pad_metadata(md, mid, fill=fill, max_pages=max_pages), bs, fill=fill, max_pages=max_pages)
+    for name, t in padded.tensors().items():
+        assert torch.equal(twice.tensors()[name], t), name
+    assert twice.kv_lens_cpu == padded.kv_lens_cpu
+
+
+def test_pad_metadata_translates_swa_table_with_zero_rows() -> None:
+    spec = KVPoolSpec(2, 16, 4, 1, 2, 2, swa=SWAPoolSpec((1,), 8, 1, 2, 2))
+    pool = SplitKVPool(spec)
+    pool.map_swa_pages(torch.tensor([3, 1]), torch.tensor([1, 2]))
+    md = build_metadata(M.DECODE, kv_lens=[5], q_lens=[1], page_table=[[3, 1]], out_cache_loc=[4], pool=pool)
+    padded = pad_metadata(md, 3, fill=1, max_pages=3)
+    assert padded.swa_block_table is not None
+    assert padded.swa_block_table.tolist() == [[1, 2, 0], [0, 0, 0], [0, 0, 0]]
+
+
+def test_pad_metadata_of_an_empty_batch_uses_the_given_q_len() -> None:
+    md = build_metadata(M.TARGET_VERIFY, kv_lens=[], q_lens=[], page_table=[], out_cache_loc=[], page_size=4)
+    padded = pad_metadata(md, 2, fill=1, max_pages=2, q_len=3)
+    assert padded.q_lens_cpu == (3, 3) and padded.kv_lens_cpu == (3, 3)
+    assert padded.positions.tolist() == [0, 1, 2, 0, 1, 2]
+    assert pad_metadata(md, 2, fill=1, max_pages=2).q_lens_cpu == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda md: pad_metadata(md, 1, fill=1, max_pages=2), r"batch_size=1 is below the real batch of 2"),
+        (lambda md: pad_metadata(md, 4, fill=1, max_pages=1), r"block table has 2 pages, more than max_pages=1"),
+        (lambda md: pad_metadata(md, 4, fill=0, max_pages=2), r"fill=0 must be an int >= 1"),
+        (lambda md: pad_metadata(md, 4, fill=1, max_pages=2, q_len=2), r"q_len=2 but the batch has q_len 1"),
+    ],
+)
+def test_pad_metadata_errors(call, fragment: str) -> None:
+    md = _md(mode=M.DECODE, kv=(5, 3), q=(1, 1), out_cache_loc=[0, 1])
+    with pytest.raises(SpecError, match=fragment):
+        call(md)
+
+
+def test_pad_metadata_needs_room_for_the_padded_kv_len() -> None:
+    md = _md(mode=M.TARGET_VERIFY, kv=(4,), q=(4,), rows=((1,),), out_cache_loc=[0, 1, 2, 3])
+    with pytest.raises(SpecError, match="too few for kv_len 5"):
+        pad_metadata(md, 2, fill=2, max_pages=1)  # padded kv_len 2 + 4 - 1 = 5 > 1 page of 4
+    assert pad_metadata(md, 2, fill=2, max_pages=2).kv_lens_cpu == (4, 5)
+
+
+def test_pad_metadata_rejects_ragged_extend() -> None:
+    with pytest.raises(SpecError, match="EXTEND batches have ragged q_lens"):
+        pad_metadata(_md(), 4, fill=1, max_pages=4)
+
+
+def test_hand_built_metadata() -> None:
+    # Two requests, page_size 4: r0 has 5 tokens cached after the step with 2 new (positions 3, 4),
+    # pages [7, 2]; r1 is a 3-token prefill on page [5].
+    md = build_metadata(M.EXTEND, kv_lens=[5, 3], q_lens=[2, 3], page_table=[[7, 2], [5]],
+                        out_cache_loc=[31, 8, 20, 21, 22], page_size=4)
+    assert md.cu_q_lens.tolist() == [0, 2, 5]
+    assert md.cu_q_lens_cpu == (2, 5)
+    assert md.positions.tolist() == [3, 4, 0, 1, 2]
+    assert md.block_table.tolist() == [[7, 2], [5, 0]]

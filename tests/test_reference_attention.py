@@ -1,0 +1,306 @@
+"""The CPU reference attention against a naive dense softmax written independently here.
+
+The oracle loops over requests, query rows and heads, builds each row's dense visibility mask
+from the rule in hal.spec / hal.metadata (query at position p sees keys j <= p, and j >= p - W on
+a window layer), and does the softmax in float64 with the sink added to the denominator.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.cpu import CpuBackend, paged_attention
+from hal.metadata import build_metadata
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+from hal.testing import TOLERANCE
+
+M = ForwardMode
+EXPENSIVE = settings.get_profile("hal-expensive")
+
+
+def dense_oracle(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    keys: list[torch.Tensor],  # per request [kv_len, Hkv, Dk]
+    values: list[torch.Tensor],  # per request [kv_len, Hkv, Dv]
+    q_lens: list[int],
+    layer: LayerSpec,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    hq, dv = q.shape[1], values[0].shape[2] if values else layer.v_head_dim
+    group = layer.num_q_heads // layer.num_kv_heads
+    out = torch.zeros(q.shape[0], hq, dv, dtype=torch.float64)
+    row = 0
+    for b, q_len in enumerate(q_lens):
+        kv_len = keys[b].shape[0]
+        j = torch.arange(kv_len)
+        for i in range(q_len):
+            p = kv_len - q_len + i
+            visible = j <= p
+            if layer.sliding_window is not None:
+                visible &= j >= p - layer.sliding_window
+            for h in range(hq):
+                kv_head = h // group
+                if not bool(visible.any()):
+                    continue  # a row that sees no key is 0, sink or not
+                scores = (keys[b][:, kv_head].double() @ q[row, h].double()) * layer.scaling
+                scores = scores[visible]
+                terms = [scores] if sinks is None else [scores, sinks[h : h + 1].double()]
+                peak = torch.cat(terms).max()
+                weights = torch.exp(scores - peak)
+                denom = weights.sum() + (0.0 if sinks is None else torch.exp(sinks[h].double() - peak))
+                out[row, h] = (weights[:, None] * values[b][visible, kv_head].double()).sum(0) / denom
+            row += 1
+    return out
+
+
+def run_reference(
+    mode: ForwardMode,
+    layer: LayerSpec,
+    kv_lens: list[int],
+    q_lens: list[int],
+    *,
+    page_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    hybrid: bool = False,
+    save_kv_cache: bool = True,
+):
+    """Run CpuAttention on a garbage-filled pool holding per-request dense K/V; return (out, oracle)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    ps = page_size
+    num_pages = sum(-(-n // ps) for n in kv_lens) + 2
+    heads, dk, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
+    num_layers = layer.layer_id + 2
+    if hybrid:
+        swa = SWAPoolSpec((layer.layer_id,), (num_pages + 1) * ps, heads, dk, dv)
+        spec = KVPoolSpec(num_layers, num_pages * ps, ps, heads + 1, dk + 1, dv + 1, dtype, swa)
+    else:
+        spec = KVPoolSpec(num_layers, num_pages * ps, ps, heads, dk, dv, dtype)
+    backend = CpuBackend()
+    pool = backend.create_kv_pool(spec)
+    for k_all, v_all in pool.sub_pool_buffers().values():  # garbage everywhere: a stray read shows
+        k_all.copy_(torch.randn(k_all.shape, generator=gen).to(dtype) * 10)
+        v_all.copy_(torch.randn(v_all.shape, generator=gen).to(dtype) * 10)
+    order = list(range(1, num_pages + 1))
+    rng.shuffle(order)
+    rows, at = [], 0
+    for n in kv_lens:
+        rows.append(order[at : at + -(-n // ps)])
+        at += -(-n // ps)
+    if hybrid:
+        swa_pages = rng.sample(range(1, spec.swa_num_pages + 1), num_pages)
+        pool.map_swa_pages(torch.tensor(order), torch.tensor(swa_pages))
+
+    def slots(b: int, start: int, stop: int) -> list[int]:
+        return [rows[b][p // ps] * ps + p % ps for p in range(start, stop)]
+
+    keys = [torch.randn(n, heads, dk, generator=gen).to(dtype) for n in kv_lens]
+    values = [torch.randn(n, heads, dv, generator=gen).to(dtype) for n in kv_lens]
+    for b, (n, ql) in enumerate(zip(kv_lens, q_lens)):
+        stop = n if not save_kv_cache else n - ql  # without save_kv_cache the caller stored the new rows
+        if stop:
+            pool.set_kv(layer.layer_id, torch.tensor(slots(b, 0, stop)), keys[b][:stop], values[b][:stop])
+    new_loc = [s for b, (n, ql) in enumerate(zip(kv_lens, q_lens)) for s in slots(b, n - ql, n)]
+    k_new = torch.cat([keys[b][n - ql :] for b, (n, ql) in enumerate(zip(kv_lens, q_lens))])
+    v_new = torch.cat([values[b][n - ql :] for b, (n, ql) in enumerate(zip(kv_lens, q_lens))])
+    q = torch.randn(sum(q_lens), layer.num_q_heads, dk, generator=gen).to(dtype)
+    sinks = torch.randn(layer.num_q_heads, generator=gen) * 2 if layer.has_sinks else None
+    md = build_metadata(mode, kv_lens=kv_lens, q_lens=q_lens, page_table=rows, out_cache_loc=new_loc, pool=pool)
+    before = [t.clone() for pair in pool.sub_pool_buffers().values() for t in pair]
+    out = backend.create_attention(pool).forward(q, k_new, v_new, layer, md, save_kv_cache=save_kv_cache, sinks=sinks)
+    if save_kv_cache:  # the new rows were stored where out_cache_loc says, on the layer's sub-pool
+        kb = pool.k_buffer(layer.layer_id)
+        mapping = pool.full_to_swa_page
+        for r, loc in enumerate(new_loc):
+            page = int(mapping[loc // ps]) if hybrid else loc // ps
+            assert torch.equal(kb[page, loc % ps], k_new[r])
+    else:
+        after = [t for pair in pool.sub_pool_buffers().values() for t in pair]
+        assert all(torch.equal(a, b) for a, b in zip(after, before)), "save_kv_cache=False wrote the cache"
+    return out, dense_oracle(q, keys, values, q_lens, layer, sinks)
+
+
+def assert_close(out: torch.Tensor, expect: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOLERANCE[dtype]
+    assert out.dtype == dtype
+    assert out.shape == expect.shape
+    torch.testing.assert_close(out.double(), expect, atol=atol, rtol=rtol)
+
+
+@st.composite
+def attention_cases(draw: st.DrawFn):
+    mode = draw(st.sampled_from([M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]))
+    ps = draw(st.sampled_from([1, 2, 4, 16]))
+    b = draw(st.integers(1, 4))
+    longest = min(3 * ps + 5, 40)
+    if mode is M.EXTEND:
+        kv = draw(st.lists(st.integers(1, longest), min_size=b, max_size=b))
+        q = [draw(st.integers(0, n)) for n in kv]
+    else:
+        q_len = 1 if mode is M.DECODE else draw(st.integers(2, 5))
+        kv = draw(st.lists(st.integers(q_len, longest + q_len), min_size=b, max_size=b))
+        q = [q_len] * b
+    window = draw(st.one_of(st.none(), st.integers(0, 6)))
+    hkv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3]))
+    dk, dv = draw(st.sampled_from([4, 8])), draw(st.sampled_from([4, 8, 12]))
+    layer = LayerSpec(
+        layer_id=draw(st.integers(0, 1)),
+        num_q_heads=hkv * group,
+        num_kv_heads=hkv,
+        head_dim=dk,
+        v_head_dim=dv,
+        scaling=draw(st.floats(0.05, 1.0)),
+        sliding_window=window,
+        has_sinks=draw(st.booleans()),
+    )
+    return dict(
+        mode=mode,
+        layer=layer,
+        kv_lens=kv,
+        q_lens=q,
+        page_size=ps,
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        hybrid=window is not None and draw(st.booleans()),
+        save_kv_cache=draw(st.booleans()),
+    )
+
+
+@EXPENSIVE
+@given(case=attention_cases())
+def test_reference_matches_dense_oracle(case) -> None:
+    out, expect = run_reference(**case)
+    assert_close(out, expect, case["dtype"])
+
+
+@pytest.mark.parametrize("mode", [M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2])
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (None, True, False), (3, False, False), (3, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_mode_and_feature_matches_dense_oracle(mode, window, sinks, hybrid, dtype) -> None:
+    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)  # GQA, qk != v
+    q_len = {M.EXTEND: None, M.DECODE: 1, M.TARGET_VERIFY: 4, M.DRAFT_EXTEND_V2: 4}[mode]
+    kv = [19, 4, 9]
+    q = [7, 4, 9] if q_len is None else [q_len] * 3  # EXTEND: chunk on a prefix, a full prefill, another
+    out, expect = run_reference(mode, layer, kv, q, page_size=4, dtype=dtype, seed=len(kv) * 7 + int(mode), hybrid=hybrid)
+    assert_close(out, expect, dtype)
+
+
+# -- hand-computed cases: q = 0 makes every visible score 0, so each output is a plain average ----------
+
+
+def one_layer_pool(kv_len: int, heads: int, dv: int, values: torch.Tensor, page_size: int = 4):
+    """A one-request pool whose tokens 0..kv_len-1 hold K = 0 and the given V; returns (pool, md, loc)."""
+    pool = CpuBackend().create_kv_pool(KVPoolSpec(1, 4 * page_size, page_size, heads, 2, dv))
+    pages = [1, 2, 3, 4][: -(-kv_len // page_size)]
+    loc = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(kv_len)])
+    pool.set_kv(0, loc, torch.zeros(kv_len, heads, 2), values)
+    return pool, pages, loc
+
+
+def test_window_off_by_one_hand_case() -> None:
+    # W = 2, query at position 4 of 5 tokens sees keys 2, 3, 4 (W + 1 keys); V_j = e_j.
+    kv_len, window = 5, 2
+    values = torch.eye(kv_len).view(kv_len, 1, kv_len)
+    pool, pages, _ = one_layer_pool(kv_len, 1, kv_len, values)
+    layer = LayerSpec(0, 1, 1, 2, kv_len, scaling=1.0, sliding_window=window)
+    md = build_metadata(M.EXTEND, kv_lens=[kv_len], q_lens=[kv_len], page_table=[pages], out_cache_loc=list(range(kv_len)), pool=pool)
+    out = CpuBackend().create_attention(pool).forward(torch.zeros(kv_len, 1, 2), None, None, layer, md, save_kv_cache=False)
+    third, half = 1 / 3, 1 / 2
+    expect = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],  # position 0 sees only itself
+            [half, half, 0, 0, 0],  # position 1 sees 0, 1
+            [third, third, third, 0, 0],  # position 2 sees 0 (= p - W), 1, 2
+            [0, third, third, third, 0],  # position 3: key 1 = p - W visible, key 0 = p - W - 1 not
+            [0, 0, third, third, third],
+        ]
+    )
+    torch.testing.assert_close(out[:, 0], expect)
+
+
+def test_window_zero_sees_only_itself_and_none_sees_all() -> None:
+    values = torch.eye(3).view(3, 1, 3)
+    pool, pages, _ = one_layer_pool(3, 1, 3, values)
+    attn = CpuBackend().create_attention(pool)
+    md = build_metadata(M.DECODE, kv_lens=[3], q_lens=[1], page_table=[pages], out_cache_loc=[2], pool=pool)
+    q = torch.zeros(1, 1, 2)
+    own = attn.forward(q, None, None, LayerSpec(0, 1, 1, 2, 3, scaling=1.0, sliding_window=0), md, save_kv_cache=False)
+    full = attn.forward(q, None, None, LayerSpec(0, 1, 1, 2, 3, scaling=1.0), md, save_kv_cache=False)
+    torch.testing.assert_close(own[0, 0], torch.tensor([0.0, 0.0, 1.0]))
+    torch.testing.assert_close(full[0, 0], torch.tensor([1 / 3, 1 / 3, 1 / 3]))
+
+
+def test_sinks_only_enlarge_the_denominator_hand_case() -> None:
+    # Two keys with equal scores and V = e_0, e_1. A sink s adds exp(s) to the denominator:
+    # s = ln 2 -> each weight 1 / (2 + 2) = 1/4; s = 0 -> 1/3; s = -100 -> ~1/2.
+    values = torch.eye(2).view(2, 1, 2).expand(2, 3, 2).contiguous()
+    pool, pages, _ = one_layer_pool(2, 3, 2, values)
+    layer = LayerSpec(0, 3, 3, 2, 2, scaling=1.0, has_sinks=True)
+    md = build_metadata(M.DECODE, kv_lens=[2], q_lens=[1], page_table=[pages], out_cache_loc=[1], pool=pool)
+    sinks = torch.tensor([math.log(2.0), 0.0, -100.0])
+    out = CpuBackend().create_attention(pool).forward(torch.zeros(1, 3, 2), None, None, layer, md, save_kv_cache=False, sinks=sinks)
+    torch.testing.assert_close(out[0], torch.tensor([[0.25, 0.25], [1 / 3, 1 / 3], [0.5, 0.5]]))
+
+
+def test_gqa_query_head_uses_kv_head_h_div_group() -> None:
+    # 4 query heads over 2 kv heads: heads 0, 1 read kv head 0 (V = 1), heads 2, 3 read kv head 1 (V = 2).
+    values = torch.tensor([1.0, 2.0]).view(1, 2, 1).expand(3, 2, 1).contiguous()
+    pool, pages, _ = one_layer_pool(3, 2, 1, values)
+    layer = LayerSpec(0, 4, 2, 2, 1, scaling=1.0)
+    md = build_metadata(M.DECODE, kv_lens=[3], q_lens=[1], page_table=[pages], out_cache_loc=[2], pool=pool)
+    out = CpuBackend().create_attention(pool).forward(torch.zeros(1, 4, 2), None, None, layer, md, save_kv_cache=False)
+    assert out[0, :, 0].tolist() == [1.0, 1.0, 2.0, 2.0]
+
+
+def test_scaling_multiplies_the_scores_hand_case() -> None:
+    # K_0 = (1, 0), K_1 = (0, 0), q = (1, 0): scores (s, 0), so weight of key 0 is e^s / (e^s + 1).
+    pool = CpuBackend().create_kv_pool(KVPoolSpec(1, 8, 4, 1, 2, 1))
+    pool.set_kv(0, torch.tensor([4, 5]), torch.tensor([[[1.0, 0.0]], [[0.0, 0.0]]]), torch.tensor([[[1.0]], [[0.0]]]))
+    md = build_metadata(M.DECODE, kv_lens=[2], q_lens=[1], page_table=[[1]], out_cache_loc=[5], pool=pool)
+    q = torch.tensor([[[1.0, 0.0]]])
+    for s in (0.5, 2.0):
+        out = CpuBackend().create_attention(pool).forward(q, None, None, LayerSpec(0, 1, 1, 2, 1, scaling=s), md, save_kv_cache=False)
+        assert float(out) == pytest.approx(math.exp(s) / (math.exp(s) + 1), rel=1e-6)
+
+
+def test_rows_that_see_no_key_are_zero() -> None:
+    # paged_attention with kv_len < q_len (what a padded row with no keys looks like): request 0 has
+    # one query at position -1 and no keys; request 1's first query (position -1) sees nothing either.
+    pool = CpuBackend().create_kv_pool(KVPoolSpec(1, 8, 4, 1, 2, 1))
+    pool.k_buffer(0).normal_()
+    pool.v_buffer(0).fill_(5.0)
+    q = torch.randn(3, 2, 2)
+    for sinks in (None, torch.tensor([0.5, -0.5])):
+        out = paged_attention(
+            q,
+            pool.k_buffer(0),
+            pool.v_buffer(0),
+            torch.tensor([[1], [2]], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([0, 1, 3], dtype=torch.int32),
+            scaling=1.0,
+            sinks=sinks,
+        )
+        assert out[0].abs().sum() == 0 and out[1].abs().sum() == 0
+        # The last row (position 0) sees its one key: the output is that key's V, shrunk by a sink.
+        expect = torch.full((2, 1), 5.0)
+        if sinks is not None:
+            score = q[2] @ pool.k_buffer(0)[2, 0, 0]
+            expect = 5.0 * torch.exp(score) / (torch.exp(score) + torch.exp(sinks))
+            expect = expect[:, None]
+        torch.testing.assert_close(out[2], expect)
+
+
+def test_empty_batch_returns_empty_output() -> None:
+    pool = CpuBackend().create_kv_pool(KVPoolSpec(1, 8, 4, 1, 2, 3))
+    md = build_metadata(M.DECODE, kv_lens=[], q_lens=[], page_table=[], out_cache_loc=[], pool=pool)
+    empty = torch.zeros(0, 2, 2)
+    out = CpuBackend().create_attention(pool).forward(empty, torch.zeros(0, 1, 2), torch.zeros(0, 1, 3), LayerSpec(0, 2, 1, 2, 3, 1.0), md)
+    assert out.shape == (0, 2, 3)
