@@ -64,14 +64,19 @@ def _load_entry_points() -> None:
         return
     _entry_points_loaded = True
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _entries or _entries[ep.name].source != "registered":
-            _entries[ep.name] = _Entry(ep.value, f"entry point ({ep.dist.name if ep.dist else '?'})")
+        name = ep.name.lower()  # parse_device lower-cases what it looks up
+        if name not in _entries or _entries[name].source != "registered":
+            _entries[name] = _Entry(ep.value, f"entry point ({ep.dist.name if ep.dist else '?'})")
 
 
 def register_backend(device_type: str, target: str | type, *, override: bool = False) -> None:
-    """Register ``target`` ("module:Class" or a class) for ``device_type``; imports nothing."""
-    if not _DEVICE_RE.match(device_type) or ":" in device_type:
+    """Register ``target`` ("module:Class" or a class) for ``device_type``; imports nothing.
+
+    Device types are case-insensitive (stored lower-case), as ``get_backend`` looks them up.
+    """
+    if not isinstance(device_type, str) or not _DEVICE_RE.match(device_type) or ":" in device_type:
         raise UnknownDeviceError(f"register_backend: {device_type!r} is not a valid device type name")
+    device_type = device_type.lower()
     with _lock:
         _load_entry_points()
         if device_type in _entries and not override:
@@ -85,6 +90,7 @@ def register_backend(device_type: str, target: str | type, *, override: bool = F
 
 
 def unregister_backend(device_type: str) -> None:
+    device_type = device_type.lower()
     with _lock:
         _entries.pop(device_type, None)
         for key in [k for k in _instances if k[0] == device_type]:
