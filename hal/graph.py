@@ -35,11 +35,13 @@ class GraphUpdate:
     host_params: tuple[Mapping[str, Any], ...] = ()
 
     def apply_buffer_copies(self) -> None:
-        for dst, src in self.buffer_copies:
+        """Copy every new value into its static buffer; checks all shapes before copying any."""
+        for i, (dst, src) in enumerate(self.buffer_copies):
             if dst.shape != src.shape:
                 raise GraphError(
-                    f"GraphUpdate copy: static buffer has shape {tuple(dst.shape)}, new value {tuple(src.shape)}"
+                    f"GraphUpdate copy {i}: static buffer has shape {tuple(dst.shape)}, new value {tuple(src.shape)}"
                 )
+        for dst, src in self.buffer_copies:
             dst.copy_(src)
 
     def require_no_host_params(self, graph_name: str) -> None:

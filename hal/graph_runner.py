@@ -76,6 +76,11 @@ class GraphRunner:
         self.batch_sizes = sizes
         self.max_pages_per_request = max_pages_per_request
         self.fill = attention.seq_len_fill_value if seq_len_fill_value is None else seq_len_fill_value
+        if not isinstance(self.fill, int) or self.fill < 1:
+            raise SpecError(
+                f"GraphRunner: seq_len_fill_value={self.fill!r} must be an int >= 1: kv_lens include the "
+                "new tokens, so a padded request's first token sees at least itself"
+            )
         self.eager_fallback = eager_fallback
         device = attention.pool.device
         rows = sizes[-1] * tokens_per_request
@@ -134,7 +139,7 @@ class GraphRunner:
         if not self._captured:
             raise GraphError("GraphRunner.run: capture() first")
         entry = self._captured[bs]
-        padded = pad_metadata(metadata, bs, fill=self.fill, max_pages=self.max_pages_per_request)
+        padded = pad_metadata(metadata, bs, fill=self.fill, max_pages=self.max_pages_per_request, q_len=tpr)
         copies = [(entry.inputs[name][: b * tpr], value) for name, value in inputs.items()]
         static_md, new_md = entry.metadata.tensors(), padded.tensors()
         copies += [(static_md[name], new_md[name]) for name in static_md]
