@@ -171,6 +171,8 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
             )
         key = (device_type, index, emulate)
         if key in _instances:
+            if emulate and not _probe(type(_instances[key])).available:
+                type(_instances[key]).install_emulation()  # its stand-in was uninstalled since (tests do)
             return _instances[key]  # type: ignore[no-any-return]
         cls = _resolve_class(device_type)
         if emulate:

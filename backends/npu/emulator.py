@@ -654,7 +654,10 @@ class _OpRecord:
     kwargs: dict[str, Any]
     outputs: Any
     kind: str
-    released: threading.Event | None = None  # handled ops: set by update(), consumed by replay()
+    # Handled ops only: the emulated ExternalEvent, set by update() and consumed by replay(), and
+    # the error of a failed update, which makes the waiting replay abort instead of hanging.
+    released: threading.Event | None = None
+    update_error: BaseException | None = None
 
     def run(self) -> None:
         if self.kind == "view":
@@ -711,7 +714,6 @@ class NPUGraph:
         self._modes: list[Any] = []
         self._pool: Any = None
         self._unsynced_replays = 0  # replays that finished on the host but were not synchronised
-        self._update_failed: BaseException | None = None
         with _graphs_lock:
             _live_graphs.add(self)
 
@@ -746,35 +748,37 @@ class NPUGraph:
     def reset(self) -> None:
         self._records, self._handled = [], []
         self._captured = False
-        self._update_failed = None
 
     # -- replay --------------------------------------------------------------------------------
     def replay(self) -> None:
         if not self._captured:
             raise NpuOpError("replay() before a successful capture")
-        self._update_failed = None
         with torch.inference_mode():
             for index, record in enumerate(self._records):
                 if record.released is not None:
-                    self._wait_for_update(index, record.released)
+                    self._wait_for_update(index, record)
                 record.run()
         with _graphs_lock:
             self._unsynced_replays += 1
 
-    def _wait_for_update(self, index: int, released: threading.Event) -> None:
-        deadline = time.monotonic() + REPLAY_WAIT_TIMEOUT_S
-        while not released.wait(0.01):
-            if self._update_failed is not None:
-                raise NpuOpError(
-                    f"replay aborted at handled op #{index}: its graph.update() failed "
-                    f"({type(self._update_failed).__name__}: {self._update_failed}); a device would hang here"
-                )
-            if time.monotonic() > deadline:
-                raise NpuOpError(
-                    f"replay waited {REPLAY_WAIT_TIMEOUT_S}s at handled op #{index} for graph.update(): a graph "
-                    "captured with auto_dispatch_capture=True needs an update per replay (a device would hang)"
-                )
-        released.clear()
+    def _wait_for_update(self, index: int, record: _OpRecord) -> None:
+        assert record.released is not None
+        if not record.released.wait(REPLAY_WAIT_TIMEOUT_S):
+            raise NpuOpError(
+                f"replay waited {REPLAY_WAIT_TIMEOUT_S}s at handled op #{index} for graph.update(): a graph "
+                "captured with auto_dispatch_capture=True needs an update per replay (a device would hang)"
+            )
+        record.released.clear()
+        error = record.update_error
+        if error is not None:
+            for other in self._handled:  # this replay ends here: no op after it consumes an update
+                assert other.released is not None
+                other.released.clear()
+                other.update_error = None
+            raise NpuOpError(
+                f"replay aborted at handled op #{index}: graph.update() failed "
+                f"({type(error).__name__}: {error}); a device would hang here"
+            ) from error
 
     # -- update --------------------------------------------------------------------------------
     def update(self, cpu_update_input: Sequence[Mapping[str, Any]]) -> None:
@@ -784,24 +788,27 @@ class NPUGraph:
                 "The current graph configuration does not support update, "
                 "Try to capture by setting auto_dispatch_capture=True during capture"
             )
-        if not isinstance(cpu_update_input, (list, tuple)) or not all(isinstance(u, Mapping) for u in cpu_update_input):
-            raise TypeError("cpu_update_input must be a list of dicts (one per captured handled op, or one to broadcast)")
-        updates = list(cpu_update_input)
-        if len(updates) == 1:
-            updates = updates * len(self._handled)
-        if len(updates) != len(self._handled):
-            raise NpuOpError(
-                f"Currently, there are {len(self._handled)} operators that need to be updated by capture, and "
-                f"there are only {len(cpu_update_input)} elements in the incoming cpu_update_input list"
-            )
-        with _graphs_lock:
-            racing = self._handled and self._unsynced_replays > 0
-        if racing:
-            raise NpuOpError(
-                "graph.update() while a previous replay of this graph may still run on the device: "
-                "synchronize before updating, or the update rewrites parameters of running tasks"
-            )
+        done = 0
         try:
+            if not isinstance(cpu_update_input, (list, tuple)) or not all(
+                isinstance(u, Mapping) for u in cpu_update_input
+            ):
+                raise TypeError("cpu_update_input must be a list of dicts (one per handled op, or one to broadcast)")
+            updates = list(cpu_update_input)
+            if len(updates) == 1:
+                updates = updates * len(self._handled)
+            if len(updates) != len(self._handled):
+                raise NpuOpError(
+                    f"Currently, there are {len(self._handled)} operators that need to be updated by capture, "
+                    f"and there are only {len(cpu_update_input)} elements in the incoming cpu_update_input list"
+                )
+            with _graphs_lock:
+                racing = bool(self._handled) and self._unsynced_replays > 0
+            if racing:
+                raise NpuOpError(
+                    "graph.update() while a previous replay of this graph may still run on the device: "
+                    "synchronize before updating, or the update rewrites parameters of running tasks"
+                )
             for record, new in zip(self._handled, updates):
                 previous = dict(record.kwargs)
                 for name, value in new.items():
@@ -809,13 +816,19 @@ class NPUGraph:
                         record.kwargs[name] = _snapshot(value)
                 try:
                     with _in_kernel():
-                        check_fia_v2(*record.args, **record.kwargs)
+                        check_fia_v2(*record.args, **record.kwargs)  # the re-issue validates like a launch
                 except BaseException:
-                    record.kwargs = previous
+                    record.kwargs = previous  # the task keeps its old parameters
                     raise
-                record.released.set()  # type: ignore[union-attr]
+                assert record.released is not None
+                record.update_error = None
+                record.released.set()
+                done += 1
         except BaseException as exc:
-            self._update_failed = exc
+            for record in self._handled[done:]:
+                assert record.released is not None
+                record.update_error = exc
+                record.released.set()
             raise
 
     @property
