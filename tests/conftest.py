@@ -34,4 +34,4 @@ settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if IN_CI else "dev"))
 
 settings.register_profile("hal-cheap", parent=settings.default, max_examples=300 if IN_CI else 60)
-settings.register_profile("hal-expensive", parent=settings.default, max_examples=40 if IN_CI else 12)
+settings.register_profile("hal-expensive", parent=settings.default, max_examples=80 if IN_CI else 20)

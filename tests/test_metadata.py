@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -35,7 +37,7 @@ def batches(draw: st.DrawFn, modes: tuple[ForwardMode, ...] = (M.EXTEND, *UNIFOR
     extra = [draw(st.integers(0, 2)) for _ in kv]  # rows may list more pages than needed
     num_pages = sum(need) + sum(extra) + draw(st.integers(0, 3))
     order = list(range(1, num_pages + 1))
-    draw(st.randoms(use_true_random=False)).shuffle(order)  # pages scattered, not contiguous
+    random.Random(draw(st.integers(0, 2**32 - 1))).shuffle(order)  # pages scattered, not contiguous
     rows, at = [], 0
     for n, e in zip(need, extra):
         rows.append(list(order[at : at + n + e]))
@@ -102,7 +104,7 @@ def test_swa_block_table_goes_through_the_pool_mapping(batch, data) -> None:
     swa_pages = data.draw(st.integers(1, num_pages))
     spec = KVPoolSpec(2, num_pages * ps, ps, 1, 4, 4, swa=SWAPoolSpec((1,), swa_pages * ps, 1, 4, 4))
     pool = SplitKVPool(spec)
-    rng = data.draw(st.randoms(use_true_random=False))
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
     full, swa = rng.sample(range(1, num_pages + 1), num_pages), rng.sample(range(1, swa_pages + 1), swa_pages)
     n = data.draw(st.integers(0, swa_pages))
     mapping = dict(zip(full[:n], swa[:n]))
