@@ -1,0 +1,267 @@
+"""A tiny MiMo-V2-style model: hybrid SWA/full attention, sinks, GQA, qk != v dims, MTP blocks.
+
+The structure follows MiMo-V2-Flash scaled down (see ``TinyConfig``): full attention at layer 0
+and every layer ``i`` with ``(i + 1) % 6 == 0``, sliding-window attention elsewhere; SWA layers
+carry a learnable per-head sink logit; full and SWA layers have different KV-head counts; the
+query/key head dim (192) differs from the value head dim (128); RoPE rotates only the first
+``rope_dim`` query/key dims. Each MTP block predicts one token further than the previous one
+from ``eh_proj(cat(enorm(embed(token)), hnorm(target_hidden)))``, one SWA layer with sinks and a
+final norm, and shares the target's embedding and lm_head.
+
+The model does no attention itself: every layer calls an ``Attend`` callable with its q/k/v
+(fp32, RoPE applied), so the same weights run through a hal ``AttentionKernel`` at inference
+(``speculative.runtime.KernelAttend``) and through differentiable reference math in training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import torch
+from torch import nn
+
+from hal.errors import SpecError
+from hal.spec import LayerSpec
+
+# attend(layer, q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], sinks [Hq] | None) -> [T, Hq, Dv]
+Attend = Callable[[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SpecError(f"TinyConfig.{attribute.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen
+class TinyConfig:
+    """Sizes of the tiny model. Defaults keep FIA-legal head dims (192/128) and a CPU-fast rest."""
+
+    vocab_size: int = attrs.field(default=512, validator=_positive)
+    hidden_size: int = attrs.field(default=256, validator=_positive)
+    intermediate_size: int = attrs.field(default=512, validator=_positive)
+    num_layers: int = attrs.field(default=12, validator=_positive)
+    num_q_heads: int = attrs.field(default=4, validator=_positive)
+    full_kv_heads: int = attrs.field(default=1, validator=_positive)
+    swa_kv_heads: int = attrs.field(default=2, validator=_positive)
+    qk_head_dim: int = attrs.field(default=192, validator=_positive)
+    v_head_dim: int = attrs.field(default=128, validator=_positive)
+    rope_dim: int = attrs.field(default=64, validator=_positive)  # rotated dims of each q/k head
+    sliding_window: int = attrs.field(default=16, validator=_positive)  # W, hal.spec convention
+    rope_theta_full: float = 5_000_000.0
+    rope_theta_swa: float = 10_000.0
+    max_position: int = attrs.field(default=4096, validator=_positive)
+    num_mtp_layers: int = attrs.field(default=3, validator=_positive)
+    rms_eps: float = 1e-6
+    # Target attention outputs start small, so that (as in natural text) the next token depends
+    # mostly on the recent tokens: a random target then has greedy continuations with recurring
+    # phrases that MTP heads can learn in seconds, instead of near-chaotic ones.
+    attention_output_scale: float = 0.25
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("full_kv_heads", "swa_kv_heads"):
+            if self.num_q_heads % getattr(self, name):
+                raise SpecError(
+                    f"TinyConfig.num_q_heads={self.num_q_heads} must be a multiple of {name}={getattr(self, name)}"
+                )
+        if self.rope_dim % 2 or self.rope_dim > self.qk_head_dim:
+            raise SpecError(
+                f"TinyConfig.rope_dim={self.rope_dim} must be even and <= qk_head_dim={self.qk_head_dim}"
+            )
+
+    def is_full_attention_layer(self, layer_id: int) -> bool:
+        """MiMo-V2's hybrid pattern: full attention at layer 0 and every 6th layer."""
+        return layer_id == 0 or (layer_id + 1) % 6 == 0
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_full_attention_layer(i))
+
+    @property
+    def swa_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_full_attention_layer(i))
+
+    def target_layer_spec(self, layer_id: int) -> LayerSpec:
+        full = self.is_full_attention_layer(layer_id)
+        return LayerSpec(
+            layer_id=layer_id,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.full_kv_heads if full else self.swa_kv_heads,
+            head_dim=self.qk_head_dim,
+            v_head_dim=self.v_head_dim,
+            scaling=self.qk_head_dim**-0.5,
+            sliding_window=None if full else self.sliding_window,
+            has_sinks=not full,
+        )
+
+    def mtp_layer_spec(self, step: int) -> LayerSpec:
+        """MTP block ``step``'s attention: SWA head config with sinks, layer ``step`` of the MTP pool."""
+        return LayerSpec(
+            layer_id=step,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.swa_kv_heads,
+            head_dim=self.qk_head_dim,
+            v_head_dim=self.v_head_dim,
+            scaling=self.qk_head_dim**-0.5,
+            sliding_window=self.sliding_window,
+            has_sinks=True,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class PartialRotary(nn.Module):
+    """RoPE on the first ``rope_dim`` dims of each head (neox-style halves); the rest pass through."""
+
+    def __init__(self, rope_dim: int, theta: float, max_position: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+        angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.rope_dim = rope_dim
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [T, H, D]
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        half = self.rope_dim // 2
+        x1, x2, rest = x[..., :half], x[..., half : self.rope_dim], x[..., self.rope_dim :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TinyConfig, spec: LayerSpec, rope_theta: float) -> None:
+        super().__init__()
+        self.spec = spec
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, spec.num_q_heads * spec.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * spec.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * spec.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(spec.num_q_heads * spec.v_head_dim, h, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(spec.num_q_heads)) if spec.has_sinks else None
+        self.rotary = PartialRotary(config.rope_dim, rope_theta, config.max_position)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        q = self.rotary(self.q_proj(x).view(t, s.num_q_heads, s.head_dim), positions)
+        k = self.rotary(self.k_proj(x).view(t, s.num_kv_heads, s.head_dim), positions)
+        v = self.v_proj(x).view(t, s.num_kv_heads, s.v_head_dim)
+        out = attend(s, q, k, v, self.sinks)
+        return self.o_proj(out.reshape(t, s.num_q_heads * s.v_head_dim))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TinyConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        theta = config.rope_theta_swa if spec.is_swa else config.rope_theta_full
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.attn = Attention(config, spec, theta)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), positions, attend)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class MTPBlock(nn.Module):
+    """One MTP layer (MiMo-V2 ``MiMoV2ModelNextN``): enorm, hnorm, eh_proj, an SWA layer, final norm."""
+
+    def __init__(self, config: TinyConfig, step: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_eps)
+        self.hnorm = RMSNorm(h, config.rms_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config, config.mtp_layer_spec(step))
+        self.final_norm = RMSNorm(h, config.rms_eps)
+
+    def forward(
+        self, embedded: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(target_hidden)], dim=-1))
+        return self.final_norm(self.layer(x, positions, attend))
+
+
+class TinyMiMo(nn.Module):
+    """Target model plus ``num_mtp_layers`` MTP blocks sharing its embedding and lm_head.
+
+    ``target_hidden(...)`` returns the final-normed hidden state (what lm_head reads and what the MTP
+    blocks receive, as SGLang's spec-v2 worker feeds them); ``mtp_hidden(step, ...)`` the final-normed
+    output of MTP block ``step``; ``logits(hidden)`` applies the shared lm_head, so callers project
+    only the rows they need.
+    """
+
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, config.target_layer_spec(i)) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp_blocks = nn.ModuleList(MTPBlock(config, k) for k in range(config.num_mtp_layers))
+        self.reset_parameters(config.seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init from ``seed``, the same on every machine (drawn on the CPU)."""
+        gen = torch.Generator().manual_seed(seed)
+        depth_scale = 1.0 / math.sqrt(2 * self.config.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                value = torch.ones(p.shape)
+            elif name.endswith("sinks"):
+                value = torch.randn(p.shape, generator=gen) * 0.5
+            elif name == "embed.weight":
+                value = torch.randn(p.shape, generator=gen)
+            else:
+                fan_in = p.shape[1]
+                std = 1.0 / math.sqrt(fan_in)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    std *= depth_scale
+                if name.startswith("layers.") and name.endswith("o_proj.weight"):
+                    std *= self.config.attention_output_scale
+                value = torch.randn(p.shape, generator=gen) * std
+            p.copy_(value.to(p.device))
+
+    def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, attend)
+        return self.norm(x)
+
+    def mtp_hidden(
+        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """MTP block ``step`` at position ``p`` reads ``(target_hidden[p], token[p + step + 1])``."""
+        return self.mtp_blocks[step](self.embed(input_ids), target_hidden, positions, attend)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def mtp_parameters(self) -> list[nn.Parameter]:
+        return list(self.mtp_blocks.parameters())
