@@ -1,0 +1,166 @@
+"""The multi-layer EAGLE worker: lossless against plain greedy, chain bookkeeping, no KV leaks, the demo."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hal.errors import SpecError
+from speculative import demo
+from speculative.chain import greedy_accept, rotate_input_ids
+from speculative.distill import DistillConfig, distill
+from speculative.model import TinyConfig, TinyMiMo
+from speculative.worker import GreedyDecoder, MultiLayerEagleWorker
+
+SMALL = TinyConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=6, sliding_window=8)
+MAX_SEQ = 96
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> TinyMiMo:
+    """A small model whose MTP blocks were distilled briefly, so drafts are often accepted."""
+    m = TinyMiMo(SMALL)
+    distill(m, DistillConfig(num_sequences=48, seq_len=40, steps=60, batch_size=16), cache_dir=tmp_path_factory.mktemp("mtp"))
+    return m
+
+
+def engines(model: TinyMiMo, device: str, num_steps: int, page_size: int, **kw: object) -> tuple[GreedyDecoder, MultiLayerEagleWorker]:
+    args = dict(page_size=page_size, max_batch_size=4, max_seq_len=MAX_SEQ, **kw)
+    return GreedyDecoder(model, device, **args), MultiLayerEagleWorker(model, device, num_steps=num_steps, **args)
+
+
+# -- chain bookkeeping, against hand-computed cases --------------------------------------------
+
+
+def test_greedy_accept_hand_computed() -> None:
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7], [5, 6, 8]])
+    target = torch.tensor([[5, 6, 7, 4], [5, 6, 7, 4], [5, 6, 7, 4], [5, 6, 7, 4]])
+    # all three drafts match -> 3 + bonus; second mismatches -> 1 + 1; first mismatches -> bonus only;
+    # a later match after a mismatch does not count.
+    assert greedy_accept(drafts, target).tolist() == [4, 2, 1, 3]
+    later_match = greedy_accept(torch.tensor([[9, 6, 7]]), torch.tensor([[5, 6, 7, 4]]))
+    assert later_match.tolist() == [1]
+
+
+def test_greedy_accept_rejects_bad_shapes() -> None:
+    with pytest.raises(SpecError, match="target_tokens"):
+        greedy_accept(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_rotate_input_ids_shifts_each_request_and_writes_the_draft() -> None:
+    ids = torch.tensor([10, 11, 12, 20, 21, 22])  # two requests of 3 rows
+    out = rotate_input_ids(ids, torch.tensor([1, 5]), torch.tensor([99, 88]))
+    assert out.tolist() == [11, 99, 20, 21, 22, 88]
+    with pytest.raises(SpecError):
+        rotate_input_ids(ids, torch.tensor([1]), torch.tensor([1, 2]))
+
+
+# -- lossless -------------------------------------------------------------------------------------
+
+prompt = st.lists(st.integers(1, SMALL.vocab_size - 1), min_size=1, max_size=24)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    prompts=st.lists(prompt, min_size=1, max_size=4),
+    num_steps=st.integers(1, 3),
+    page_size=st.sampled_from([16, 64]),
+    max_new=st.integers(1, 40),
+)
+def test_speculative_equals_plain_greedy_on_cpu(model: TinyMiMo, prompts: list[list[int]], num_steps: int, page_size: int, max_new: int) -> None:
+    plain, spec = engines(model, "cpu", num_steps, page_size)
+    expect = plain.generate(prompts, max_new)
+    got = spec.generate(prompts, max_new)
+    assert got.tokens == expect.tokens
+    assert all(len(t) == max_new for t in got.tokens)
+    assert all(1 <= a <= num_steps + 1 for a in got.accept_lengths)
+
+
+@pytest.fixture()
+def npu_emulated():  # type: ignore[no-untyped-def]
+    from backends.npu import emulator
+
+    emulator.install()
+    try:
+        yield
+    finally:
+        emulator.uninstall()
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(prompts=st.lists(prompt, min_size=1, max_size=3), num_steps=st.integers(1, 3), max_new=st.integers(1, 24))
+def test_speculative_equals_plain_greedy_on_emulated_npu(
+    model: TinyMiMo, npu_emulated: None, prompts: list[list[int]], num_steps: int, max_new: int
+) -> None:
+    # FIA v2 takes bf16/fp16 only, and a multiple of 128 as page size with head dim 192.
+    plain, spec = engines(model, "npu", num_steps, 128, emulate=True, kv_dtype=torch.bfloat16)
+    assert spec.backend_name == "npu"
+    assert spec.generate(prompts, max_new).tokens == plain.generate(prompts, max_new).tokens
+
+
+def test_eos_stops_each_request_and_outputs_still_match(model: TinyMiMo) -> None:
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3], list(range(10, 30))]
+    plain, spec = engines(model, "cpu", 3, 16)
+    free = plain.generate(prompts, 30).tokens
+    eos = free[1][4]  # a token request 1 really produces
+    expect = plain.generate(prompts, 30, eos_token_id=eos).tokens
+    got = spec.generate(prompts, 30, eos_token_id=eos).tokens
+    assert got == expect
+    assert expect[1][-1] == eos and len(expect[1]) <= 5  # stopped at its first EOS
+    for out in expect:
+        assert eos not in out[:-1]
+
+
+def test_distilled_drafts_are_accepted(model: TinyMiMo) -> None:
+    _, spec = engines(model, "cpu", 3, 16)
+    result = spec.generate([[5, 6, 7, 8, 9], list(range(10, 30))], 40)
+    # Fewer target forwards than tokens is the whole point of MTP.
+    assert result.mean_accept_length > 2.0
+    assert result.target_forwards < result.num_generated
+
+
+# -- KV slots ---------------------------------------------------------------------------------------
+
+
+def test_allocator_is_full_again_after_a_batch(model: TinyMiMo) -> None:
+    _, spec = engines(model, "cpu", 3, 16)
+    total = spec.allocator.num_free_pages
+    spec.generate([[1, 2, 3], list(range(1, 40)), [7] * 9], [5, 30, 17])
+    assert spec.allocator.num_free_pages == total
+    assert spec.allocator.full.num_free == spec.allocator.full.num_pages
+    assert spec.allocator.swa is not None and spec.allocator.swa.num_free == spec.allocator.swa.num_pages
+
+
+def test_allocator_is_freed_when_generation_raises(model: TinyMiMo) -> None:
+    _, spec = engines(model, "cpu", 2, 16)
+    total = spec.allocator.num_free_pages
+    with pytest.raises(SpecError):
+        spec.generate([[1, 2, 3]], MAX_SEQ)  # prompt + new tokens + drafts exceed max_seq_len
+    assert spec.allocator.num_free_pages == total
+
+
+def test_bad_arguments_raise_typed_errors(model: TinyMiMo) -> None:
+    with pytest.raises(SpecError, match="num_steps"):
+        MultiLayerEagleWorker(model, "cpu", num_steps=4)
+    _, spec = engines(model, "cpu", 3, 16)
+    with pytest.raises(SpecError, match="max_batch_size"):
+        spec.generate([[1]] * 5, 3)
+
+
+# -- hal demo ----------------------------------------------------------------------------------------
+
+
+def test_demo_runs_and_reports_identical_outputs() -> None:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--train-steps", "5", "--max-new-tokens", "6", "--batch-size", "2", "--no-cache"])
+    out = io.StringIO()
+    assert demo.run(args, out=out) == 0
+    text = out.getvalue()
+    assert "outputs identical: yes" in text
+    assert "backend: cpu" in text and "speedup:" in text and "accept length:" in text
