@@ -136,13 +136,14 @@ def test_gqa_query_head_h_reads_kv_head_h_div_group() -> None:
 
 def test_learnable_sink_only_enlarges_the_denominator() -> None:
     q = torch.zeros(1, 2, 128, dtype=BF16)
-    sink = torch.tensor([0.0, -math.inf], dtype=BF16)
+    sink = torch.tensor([1.0, -math.inf], dtype=BF16)
     out, lse = fia(
-        q, [torch.zeros(3, 1, 128, dtype=BF16)], [ramp(3, 1, 128)], [1], learnable_sink=sink, return_softmax_lse=True
-    )
-    # head 0: (0 + 1 + 2) / (3 + e^0); head 1: a -inf sink adds nothing -> plain mean
-    rows_equal(out, [[0.75, 1.0]])
-    torch.testing.assert_close(lse[0, :, 0], torch.tensor([math.log(4.0), math.log(3.0)]), atol=1e-5, rtol=0)
+        q, [torch.zeros(3, 1, 128, dtype=BF16)], [ramp(3, 1, 128)], [1],
+        learnable_sink=sink, softmax_scale=0.5, return_softmax_lse=True,
+    )  # fmt: skip
+    # head 0: (0 + 1 + 2) / (3 + e^1) -- the sink logit is not scaled; head 1: a -inf sink adds nothing
+    rows_equal(out, [[3 / (3 + math.e), 1.0]], atol=4e-3)
+    torch.testing.assert_close(lse[0, :, 0], torch.tensor([math.log(3 + math.e), math.log(3.0)]), atol=1e-5, rtol=0)
 
 
 def test_fully_masked_rows_give_zero_and_infinite_lse() -> None:
