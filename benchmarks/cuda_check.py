@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -68,7 +68,7 @@ def median_ms(be: hal.Backend, fn: Callable[[], object], *, warmup: int = 3, rep
     return statistics.median(times)
 
 
-def _table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+def _table(title: str, header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print(f"\n{title}")
     for r in [header, *rows]:
@@ -197,7 +197,7 @@ def bench_graphs(be: hal.Backend, quick: bool, emulate: bool) -> int:
     proj = [torch.nn.Linear(hq * d, hidden, bias=False, device=be.device, dtype=dtype) for _ in layers]
 
     @torch.no_grad()
-    def step(inputs: dict[str, torch.Tensor], md: hal.AttentionMetadata) -> torch.Tensor:
+    def step(inputs: Mapping[str, torch.Tensor], md: hal.AttentionMetadata) -> torch.Tensor:
         x = inputs["x"]
         for layer, w_in, w_out in zip(layers, qkv, proj):
             q, k, v = w_in(x).split([hq * d, hkv * d, hkv * d], dim=-1)

@@ -84,7 +84,7 @@ class CudaBackend:
     @classmethod
     def probe(cls) -> Availability:
         triton_version = _triton_version()
-        versions = {"torch": torch.__version__}
+        versions: dict[str, str] = {"torch": str(torch.__version__)}
         if triton_version is not None:
             versions["triton"] = triton_version
         if cls._emulation:
