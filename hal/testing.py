@@ -75,6 +75,32 @@ class PreparedCase:
     k: torch.Tensor
     v: torch.Tensor
     sinks: torch.Tensor | None
+    # Full-pool slot of every token the case stores (prefix and new tokens, request after request).
+    slots: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.int64))
+
+
+def kv_rows(pool: KVPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """Row indices into the layer's buffers viewed as ``[slots, heads, dim]`` for full-pool ``slots``.
+
+    Uses only the ``KVPool`` protocol (``swa_block_table`` routes SWA layers), so it is an
+    independent check of where a backend's pool put each token.
+    """
+    slots = slots.to("cpu", torch.int64).reshape(-1)
+    ps = pool.spec.page_size
+    pages, offsets = torch.div(slots, ps, rounding_mode="floor"), slots % ps
+    if pool.is_swa_layer(layer):
+        table = pages.view(1, -1).to(device=pool.device, dtype=torch.int32)
+        pages = pool.swa_block_table(table).view(-1).to("cpu", torch.int64)
+    return pages * ps + offsets
+
+
+def read_kv(pool: KVPool, layer: int, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host copies of one layer's K and V as ``[slots, heads, dim]``, all rows or those of ``slots``."""
+    out = []
+    for buf in (pool.k_buffer(layer), pool.v_buffer(layer)):
+        rows = buf.detach().to("cpu").reshape(-1, buf.shape[-2], buf.shape[-1])
+        out.append(rows.clone() if slots is None else rows[kv_rows(pool, layer, slots)])
+    return out[0], out[1]
 
 
 def pool_spec_for(case: AttentionCase, extra_pages: int = 3) -> KVPoolSpec:
@@ -140,21 +166,36 @@ def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | 
             [table.slots(r, range(n - ql, n)) for r, (n, ql) in enumerate(zip(case.kv_lens, case.q_lens))]
             or [torch.zeros(0, dtype=torch.int64)]
         )
+        stored = torch.cat(
+            [table.slots(r, range(n)) for r, n in enumerate(case.kv_lens)] or [torch.zeros(0, dtype=torch.int64)]
+        )
         md = build_metadata(
             case.mode, kv_lens=case.kv_lens, q_lens=case.q_lens, page_table=page_lists, out_cache_loc=loc, pool=pool
         )
         out.append(
             PreparedCase(
-                pool, be.create_attention(pool), md, q.to(dev), k.to(dev), v.to(dev), None if sinks is None else sinks.to(dev)
+                pool,
+                be.create_attention(pool),
+                md,
+                q.to(dev),
+                k.to(dev),
+                v.to(dev),
+                None if sinks is None else sinks.to(dev),
+                stored,
             )
         )
     return out[0], out[1]
 
 
 def run_attention_case(backend: Backend, case: AttentionCase) -> CaseResult:
-    """Run ``case`` on ``backend`` and the CPU reference; compare outputs and the written cache."""
+    """Run ``case`` on ``backend`` and the CPU reference; compare outputs and the written cache.
+
+    The cache check needs no zero-initialised pool: the rows of every stored token must equal
+    the reference's, and every other row must be what it was before the forward.
+    """
     got, ref = prepare_case(backend, case)
     lay = case.layer
+    before_k, before_v = read_kv(got.pool, lay.layer_id)
     out = got.kernel.forward(got.q, got.k, got.v, lay, got.metadata, sinks=got.sinks)
     expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.metadata, sinks=ref.sinks)
     atol, rtol = TOLERANCE[case.dtype]
@@ -166,12 +207,18 @@ def run_attention_case(backend: Backend, case: AttentionCase) -> CaseResult:
     max_err = float(err.max()) if err.numel() else 0.0
     ok = bool(torch.allclose(out_c, exp_c, atol=atol, rtol=rtol))
     detail = "" if ok else f"output differs: max |err| {max_err:.3g} > atol {atol} + rtol {rtol}"
-    for name in ("k_buffer", "v_buffer"):
-        a = getattr(got.pool, name)(lay.layer_id).to("cpu")
-        b = getattr(ref.pool, name)(lay.layer_id)
-        if not torch.equal(a, b):
+    got_rows = kv_rows(got.pool, lay.layer_id, got.slots)
+    ref_k, ref_v = read_kv(ref.pool, lay.layer_id, ref.slots)
+    after_k, after_v = read_kv(got.pool, lay.layer_id)
+    for name, before, after, expected in (("K", before_k, after_k, ref_k), ("V", before_v, after_v, ref_v)):
+        if not torch.equal(after[got_rows], expected):
             ok = False
-            detail += f"; {name} after the write differs from the reference"
+            detail += f"; cached {name} of the case's tokens differs from the reference"
+        untouched = torch.ones(after.shape[0], dtype=torch.bool)
+        untouched[got_rows] = False
+        if not torch.equal(after[untouched], before[untouched]):
+            ok = False
+            detail += f"; the forward changed {name} rows that belong to no token of the case"
     return CaseResult(case, ok, max_err, detail.lstrip("; "))
 
 
