@@ -37,12 +37,12 @@ Progress = Callable[[str, int, int, float | None], None]  # (phase, done, total,
 class DistillConfig:
     """Training data and optimiser settings."""
 
-    num_sequences: int = 192  # greedy continuations to train on
+    num_sequences: int = 256  # greedy continuations to train on
     min_prompt_len: int = 4
     max_prompt_len: int = 16
     seq_len: int = 64  # prompt + continuation, the same for every sequence
-    steps: int = 300
-    batch_size: int = 16  # sequences per optimiser step
+    steps: int = 200
+    batch_size: int = 8  # sequences per optimiser step
     lr: float = 3e-3
     seed: int = 0
 

@@ -39,9 +39,11 @@ class TinyConfig:
     """Sizes of the tiny model. Defaults keep FIA-legal head dims (192/128) and a CPU-fast rest."""
 
     vocab_size: int = attrs.field(default=512, validator=_positive)
-    hidden_size: int = attrs.field(default=256, validator=_positive)
-    intermediate_size: int = attrs.field(default=512, validator=_positive)
-    num_layers: int = attrs.field(default=12, validator=_positive)
+    hidden_size: int = attrs.field(default=128, validator=_positive)
+    intermediate_size: int = attrs.field(default=256, validator=_positive)
+    # 18 layers: full attention at 0, 5, 11, 17. Deep enough that one MTP layer per draft step
+    # is cheap next to a target forward, which is what makes MTP pay off.
+    num_layers: int = attrs.field(default=18, validator=_positive)
     num_q_heads: int = attrs.field(default=4, validator=_positive)
     full_kv_heads: int = attrs.field(default=1, validator=_positive)
     swa_kv_heads: int = attrs.field(default=2, validator=_positive)

@@ -339,14 +339,23 @@ class MultiLayerEagleWorker(_TargetEngine):
         return attrs.evolve(metadata, mode=mode, swa_block_table=None)
 
     def _run(self, requests: list[_Request], eos_token_id: int | None) -> tuple[int, list[int]]:
-        s = self.num_steps
-        # Prefill: target EXTEND, then MTP block k over the prompt with ids rotated k + 1 times.
+        self._prefill(requests, eos_token_id)
+        forwards, accept_lengths = 1, []
+        active = [r for r in requests if not r.finished]
+        while active:
+            forwards += 1
+            accept_lengths += self._step(active, eos_token_id)
+            active = [r for r in active if not r.finished]
+        return forwards, accept_lengths
+
+    def _prefill(self, requests: list[_Request], eos_token_id: int | None) -> None:
+        """Target EXTEND, then MTP block k over the prompts with the ids rotated k + 1 times: the first drafts."""
         ids, hidden, metadata, last_rows, next_tokens = self._prefill_target(requests)
         mtp_metadata = self._for_mtp_pool(metadata, ForwardMode.EXTEND)
+        attend = KernelAttend(self.mtp_attention, mtp_metadata)
         ids = rotate_input_ids(ids, last_rows, next_tokens)
         drafts = []
-        for k in range(s):
-            attend = KernelAttend(self.mtp_attention, mtp_metadata)
+        for k in range(self.num_steps):
             h = self.model.mtp_hidden(k, ids, hidden, mtp_metadata.positions, attend)
             drafts.append(self.model.logits(h[last_rows]).argmax(-1))
             ids = rotate_input_ids(ids, last_rows, drafts[-1])
@@ -356,20 +365,17 @@ class MultiLayerEagleWorker(_TargetEngine):
             r.emit([token], eos_token_id)
             if r.finished:
                 self._finish(r)
-        forwards, accept_lengths = 1, []
-        active = [r for r in requests if not r.finished]
-        while active:
-            forwards += 1
-            accepted, targets, new_drafts = self._iteration(active)
-            for r, a, row, d in zip(active, accepted, targets, new_drafts):
-                accept_lengths.append(a)
-                r.committed += a
-                r.drafts = d
-                r.emit(row[:a], eos_token_id)
-                if r.finished:
-                    self._finish(r)
-            active = [r for r in active if not r.finished]
-        return forwards, accept_lengths
+
+    def _step(self, active: list[_Request], eos_token_id: int | None) -> list[int]:
+        """One iteration for every active request; returns their accept lengths."""
+        accepted, targets, new_drafts = self._iteration(active)
+        for r, a, row, d in zip(active, accepted, targets, new_drafts):
+            r.committed += a
+            r.drafts = d
+            r.emit(row[:a], eos_token_id)
+            if r.finished:
+                self._finish(r)
+        return accepted
 
     def _iteration(self, active: list[_Request]) -> tuple[list[int], list[list[int]], list[list[int]]]:
         """One verify + draft-extend round; returns accept lengths, target tokens and next drafts (host)."""
