@@ -1,9 +1,12 @@
 """Speculative decoding benchmark: plain greedy vs multi-layer EAGLE (MTP) on one backend, one run.
 
-    python benchmarks/spec_decode.py [--device cpu] [--emulate] [--max-new-tokens 256] [--repeats 3]
+    python benchmarks/spec_decode.py [--device cpu] [--emulate] [--max-new-tokens 192]
+                                     [--batch-sizes 1 4 8] [--repeats 5]
 
-Prints the median tokens/s of each, the speedup ratio and the mean accept length; exits 1 if the
-outputs differ.
+For each batch size, the two decoders run alternately ``--repeats`` times on the same prompts
+(so machine load hits both alike); the table gives median tokens/s, the speedup ratio of the
+medians, the mean accept length and target forwards. Exits 1 if any output differs from plain
+greedy's.
 """
 
 from __future__ import annotations
@@ -12,44 +15,62 @@ import argparse
 import statistics
 import sys
 
+import torch
+
 from speculative import demo
 from speculative.distill import DistillConfig, distill
 from speculative.model import TinyConfig, TinyMiMo
-from speculative.worker import GreedyDecoder, MultiLayerEagleWorker
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     demo.add_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each decoder (median reported)")
-    parser.set_defaults(max_new_tokens=256, batch_size=8)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8], help="batch sizes to compare")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each decoder per batch size")
+    parser.set_defaults(max_new_tokens=192)
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
-    distill(model, DistillConfig(steps=args.train_steps), use_cache=not args.no_cache)
-    engine_args = dict(
+    report = distill(model, DistillConfig(steps=args.train_steps, num_sequences=args.train_sequences), use_cache=not args.no_cache)
+    largest = max(args.batch_sizes)
+    plain, spec, kv_dtype = demo.build_engines(
+        model,
+        args.device,
+        args.num_steps,
+        args.kv_dtype,
         emulate=args.emulate,
         page_size=args.page_size,
-        kv_dtype=demo.KV_DTYPES[args.kv_dtype],
-        max_batch_size=args.batch_size,
-        max_seq_len=16 + 3 * args.batch_size + args.max_new_tokens + args.num_steps + 1,
+        max_batch_size=largest,
+        max_seq_len=16 + 3 * largest + args.max_new_tokens + args.num_steps + 1,
     )
-    plain = GreedyDecoder(model, args.device, **engine_args)
-    spec = MultiLayerEagleWorker(model, args.device, num_steps=args.num_steps, **engine_args)
-    prompts = demo.make_prompts(args.batch_size, model.config.vocab_size, args.seed)
-    plain.generate(prompts[:1], 2)
-    spec.generate(prompts[:1], 2)
-    base = [plain.generate(prompts, args.max_new_tokens) for _ in range(args.repeats)]
-    fast = [spec.generate(prompts, args.max_new_tokens) for _ in range(args.repeats)]
-    base_tps = statistics.median(r.tokens_per_second for r in base)
-    fast_tps = statistics.median(r.tokens_per_second for r in fast)
-    identical = all(r.tokens == base[0].tokens for r in base + fast)
-    print(f"backend {spec.backend_name}, batch {args.batch_size}, {args.max_new_tokens} new tokens, S={args.num_steps}")
-    print("| decoder | tokens/s (median) | target forwards | accept length |")
-    print("|---|---|---|---|")
-    print(f"| plain greedy | {base_tps:.1f} | {base[0].target_forwards} | - |")
-    print(f"| MTP | {fast_tps:.1f} | {fast[0].target_forwards} | {fast[0].mean_accept_length:.2f} |")
-    print(f"speedup {fast_tps / base_tps:.2f}x, outputs identical: {'yes' if identical else 'NO'}")
-    return 0 if identical else 1
+    print(
+        f"backend {spec.backend_name}, KV {str(kv_dtype).replace('torch.', '')}, pages of {args.page_size}, "
+        f"S={args.num_steps}, {args.max_new_tokens} new tokens per request, {args.repeats} alternating runs, "
+        f"torch threads {torch.get_num_threads()}, MTP {'cached' if report.from_cache else 'trained'}"
+    )
+    print("| batch | plain greedy tok/s | MTP tok/s | speedup | accept length | target forwards (plain / MTP) |")
+    print("|---|---|---|---|---|---|")
+    all_identical = True
+    for batch in args.batch_sizes:
+        prompts = demo.make_prompts(batch, model.config.vocab_size, args.seed)
+        plain.generate(prompts[:1], 2)  # warm-up, untimed
+        spec.generate(prompts[:1], 2)
+        base, fast = [], []
+        for _ in range(args.repeats):
+            base.append(plain.generate(prompts, args.max_new_tokens))
+            fast.append(spec.generate(prompts, args.max_new_tokens))
+        identical = all(r.tokens == base[0].tokens for r in base + fast)
+        all_identical &= identical
+        base_tps = statistics.median(r.tokens_per_second for r in base)
+        fast_tps = statistics.median(r.tokens_per_second for r in fast)
+        print(
+            f"| {batch} | {base_tps:.1f} | {fast_tps:.1f} | {fast_tps / base_tps:.2f}x | "
+            f"{fast[0].mean_accept_length:.2f} of {args.num_steps + 1} | "
+            f"{base[0].target_forwards} / {fast[0].target_forwards} |" + ("" if identical else " OUTPUTS DIFFER")
+        )
+    print(f"outputs identical to plain greedy: {'yes' if all_identical else 'NO'}")
+    return 0 if all_identical else 1
 
 
 if __name__ == "__main__":

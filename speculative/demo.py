@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import torch
 
+from hal.errors import UnsupportedConfigError
 from speculative.distill import DistillConfig, distill
 from speculative.model import TinyConfig, TinyMiMo
 from speculative.worker import GreedyDecoder, MultiLayerEagleWorker
@@ -25,12 +27,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate", action="store_true", help="run the backend on its CPU emulator (e.g. npu)")
     parser.add_argument("--num-steps", type=int, default=3, help="MTP draft steps S (default: 3)")
     parser.add_argument("--train-steps", type=int, default=DistillConfig().steps, help="MTP distillation steps")
+    parser.add_argument(
+        "--train-sequences", type=int, default=DistillConfig().num_sequences, help="greedy continuations to distil on"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--batch-size", type=int, default=4, help="number of prompts")
     parser.add_argument("--page-size", type=int, default=128, help="KV page size (128 is legal on every backend)")
     parser.add_argument(
-        "--kv-dtype", choices=sorted(KV_DTYPES), default="float32", help="KV cache dtype (bfloat16 for npu)"
+        "--kv-dtype",
+        choices=["auto", *sorted(KV_DTYPES)],
+        default="auto",
+        help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32",
     )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="model and prompt seed")
     parser.add_argument("--no-cache", action="store_true", help="retrain the MTP blocks even if cached")
 
@@ -41,10 +50,16 @@ def make_prompts(batch_size: int, vocab_size: int, seed: int) -> list[list[int]]
     return [torch.randint(1, vocab_size, (5 + 3 * i,), generator=gen).tolist() for i in range(batch_size)]
 
 
-def _progress_printer(stream: TextIO):  # type: ignore[no-untyped-def]
+def _progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], None]:
+    """A one-line text progress bar per phase, redrawn only when the bar grows."""
+    width = 30
+    drawn: dict[str, int] = {}
+
     def show(phase: str, done: int, total: int, loss: float | None) -> None:
-        width = 30
         filled = width * done // max(total, 1)
+        if drawn.get(phase) == filled and done != total:
+            return
+        drawn[phase] = filled
         label = "generating training data" if phase == "data" else "distilling MTP blocks"
         tail = f" loss {loss:.3f}" if loss is not None else ""
         stream.write(f"\r{label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}")
@@ -55,26 +70,46 @@ def _progress_printer(stream: TextIO):  # type: ignore[no-untyped-def]
     return show
 
 
+def build_engines(
+    model: TinyMiMo, device: str, num_steps: int, kv_dtype: str, **engine_args: Any
+) -> tuple[GreedyDecoder, MultiLayerEagleWorker, torch.dtype]:
+    """Both decoders on ``device``. ``kv_dtype="auto"`` tries float32 and falls back to bfloat16
+    when the backend's kernel rejects float32 (it does so while capturing the first graph)."""
+    candidates = [torch.float32, torch.bfloat16] if kv_dtype == "auto" else [KV_DTYPES[kv_dtype]]
+    for i, dtype in enumerate(candidates):
+        try:
+            plain = GreedyDecoder(model, device, kv_dtype=dtype, **engine_args)
+            spec = MultiLayerEagleWorker(model, device, num_steps=num_steps, kv_dtype=dtype, **engine_args)
+            return plain, spec, dtype
+        except UnsupportedConfigError:
+            if i + 1 == len(candidates):
+                raise
+    raise AssertionError("unreachable")
+
+
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run the demo; returns 0 when speculative output equals plain greedy output, 1 otherwise."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
     report = distill(
         model,
-        DistillConfig(steps=args.train_steps),
+        DistillConfig(steps=args.train_steps, num_sequences=args.train_sequences),
         use_cache=not args.no_cache,
         progress=_progress_printer(out),
     )
     where = f"loaded from {report.cache_path}" if report.from_cache else f"trained in {report.seconds:.1f}s"
     print(f"MTP blocks: {where}", file=out)
-    engine_args = dict(
+    plain, spec, kv_dtype = build_engines(
+        model,
+        args.device,
+        args.num_steps,
+        args.kv_dtype,
         emulate=args.emulate,
         page_size=args.page_size,
-        kv_dtype=KV_DTYPES[args.kv_dtype],
         max_batch_size=args.batch_size,
         max_seq_len=16 + 3 * args.batch_size + args.max_new_tokens + args.num_steps + 1,
     )
-    plain = GreedyDecoder(model, args.device, **engine_args)
-    spec = MultiLayerEagleWorker(model, args.device, num_steps=args.num_steps, **engine_args)
     prompts = make_prompts(args.batch_size, model.config.vocab_size, args.seed)
     # One untimed warm-up each, so graph capture and first-call costs stay out of the figures.
     plain.generate(prompts[:1], 2)
@@ -84,6 +119,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     identical = base.tokens == fast.tokens
     speedup = fast.tokens_per_second / base.tokens_per_second
     print(f"backend: {spec.backend_name} (device {spec.device}{', emulated' if args.emulate else ''})", file=out)
+    print(f"KV cache: {str(kv_dtype).replace('torch.', '')}, pages of {args.page_size} tokens", file=out)
     print(f"requests: {len(prompts)}, prompt lengths {[len(p) for p in prompts]}, {args.max_new_tokens} new tokens each", file=out)
     print(f"plain greedy:     {base.tokens_per_second:8.1f} tokens/s  ({base.target_forwards} target forwards)", file=out)
     print(

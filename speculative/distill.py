@@ -14,11 +14,12 @@ included), a fingerprint of the target weights and the training settings.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -103,8 +104,16 @@ class DenseAttend:
         )
 
 
-def greedy_sequences(model: TinyMiMo, config: DistillConfig, *, seed_offset: int = 0, num: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, seq_len]`` random prompts followed by the target's greedy continuation, and prompt lengths."""
+def greedy_sequences(
+    model: TinyMiMo,
+    config: DistillConfig,
+    *,
+    seed_offset: int = 0,
+    num: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, seq_len]`` random prompts followed by the target's greedy continuation (decoded through
+    hal on the CPU backend), and the prompt lengths."""
     from speculative.worker import GreedyDecoder
 
     num = config.num_sequences if num is None else num
@@ -116,11 +125,16 @@ def greedy_sequences(model: TinyMiMo, config: DistillConfig, *, seed_offset: int
     decoder = GreedyDecoder(
         model, "cpu", max_batch_size=batch, max_seq_len=config.seq_len, page_size=16, graph_batch_sizes=[batch]
     )
-    rows = []
-    for start in range(0, num, batch):
+    rows: list[list[int]] = []
+    chunks = range(0, num, batch)
+    for done, start in enumerate(chunks):
+        if progress:
+            progress("data", done, len(chunks), None)
         chunk = prompts[start : start + batch]
         out = decoder.generate(chunk, [config.seq_len - len(p) for p in chunk])
         rows += [p + list(o) for p, o in zip(chunk, out.tokens)]
+    if progress:
+        progress("data", len(chunks), len(chunks), None)
     return torch.tensor(rows, dtype=torch.int64), torch.tensor(prompt_lens, dtype=torch.int64)
 
 
@@ -212,47 +226,46 @@ def distill(
     return DistillReport(from_cache, path, time.perf_counter() - start, final_loss, heldout)
 
 
-def _train(model: TinyMiMo, config: DistillConfig, progress: Progress | None) -> float | None:
-    device = next(model.parameters()).device
-    if progress:
-        progress("data", 0, 1, None)
-    tokens, prompt_lens = greedy_sequences(model, config)
-    hidden = _target_hidden(model, tokens)
-    if progress:
-        progress("data", 1, 1, None)
-    s = model.config.num_mtp_layers
-    inputs = [_mtp_inputs(tokens, prompt_lens, k) for k in range(s)]
+@contextlib.contextmanager
+def _only_mtp_trainable(model: TinyMiMo) -> Iterator[list[torch.nn.Parameter]]:
+    """Freeze the target (embedding and lm_head included) while the MTP blocks train."""
     params = model.mtp_parameters()
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=max(config.steps, 1), pct_start=0.1)
-    gen = torch.Generator().manual_seed(config.seed)
-    frozen = [p for p in model.parameters() if all(p is not q for q in params) and p.requires_grad]
-    for p in frozen:  # the target (embedding and lm_head included) stays fixed
+    trainable = {id(p) for p in params}
+    frozen = [p for p in model.parameters() if id(p) not in trainable and p.requires_grad]
+    for p in frozen:
         p.requires_grad_(False)
     model.train()
     try:
-        return _train_loop(model, config, progress, tokens, hidden, inputs, params, optimizer, schedule, gen, device)
+        yield params
     finally:
         model.eval()
         for p in frozen:
             p.requires_grad_(True)
 
 
-def _train_loop(model, config, progress, tokens, hidden, inputs, params, optimizer, schedule, gen, device):  # type: ignore[no-untyped-def]
+def _train(model: TinyMiMo, config: DistillConfig, progress: Progress | None) -> float | None:
+    tokens, prompt_lens = greedy_sequences(model, config, progress=progress)
+    hidden = _target_hidden(model, tokens)
     s = model.config.num_mtp_layers
+    inputs = [_mtp_inputs(tokens, prompt_lens, k) for k in range(s)]
+    gen = torch.Generator().manual_seed(config.seed)
     loss_value = None
-    for step in range(config.steps):
-        idx = torch.randint(0, tokens.shape[0], (config.batch_size,), generator=gen)
-        loss = torch.zeros((), device=device)
-        for k in range(s):
-            ids, labels = inputs[k]
-            logits = _mtp_logits(model, k, ids[idx].to(device), hidden[idx].to(device))
-            loss = loss + torch.nn.functional.cross_entropy(logits, labels[idx].reshape(-1).to(device), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        loss_value = float(loss.detach()) / s
-        if progress:
-            progress("train", step + 1, config.steps, loss_value)
+    with _only_mtp_trainable(model) as params:
+        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=config.lr, total_steps=max(config.steps, 1), pct_start=0.1
+        )
+        for step in range(config.steps):
+            idx = torch.randint(0, tokens.shape[0], (config.batch_size,), generator=gen)
+            loss = torch.zeros(())
+            for k, (ids, labels) in enumerate(inputs):
+                logits = _mtp_logits(model, k, ids[idx], hidden[idx])
+                loss = loss + torch.nn.functional.cross_entropy(logits, labels[idx].reshape(-1), ignore_index=-100)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            loss_value = float(loss.detach()) / s
+            if progress:
+                progress("train", step + 1, config.steps, loss_value)
     return loss_value

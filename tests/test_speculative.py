@@ -158,7 +158,9 @@ def test_bad_arguments_raise_typed_errors(model: TinyMiMo) -> None:
 def test_demo_runs_and_reports_identical_outputs() -> None:
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    args = parser.parse_args(["--train-steps", "5", "--max-new-tokens", "6", "--batch-size", "2", "--no-cache"])
+    args = parser.parse_args(
+        ["--train-steps", "5", "--train-sequences", "8", "--max-new-tokens", "6", "--batch-size", "2", "--no-cache"]
+    )
     out = io.StringIO()
     assert demo.run(args, out=out) == 0
     text = out.getvalue()
