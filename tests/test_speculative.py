@@ -65,7 +65,7 @@ def test_rotate_input_ids_shifts_each_request_and_writes_the_draft() -> None:
 prompt = st.lists(st.integers(1, SMALL.vocab_size - 1), min_size=1, max_size=24)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     prompts=st.lists(prompt, min_size=1, max_size=4),
     num_steps=st.integers(1, 3),
@@ -92,7 +92,7 @@ def npu_emulated():  # type: ignore[no-untyped-def]
         emulator.uninstall()
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(prompts=st.lists(prompt, min_size=1, max_size=3), num_steps=st.integers(1, 3), max_new=st.integers(1, 24))
 def test_speculative_equals_plain_greedy_on_emulated_npu(
     model: TinyMiMo, npu_emulated: None, prompts: list[list[int]], num_steps: int, max_new: int
@@ -166,3 +166,85 @@ def test_demo_runs_and_reports_identical_outputs() -> None:
     text = out.getvalue()
     assert "outputs identical: yes" in text
     assert "backend: cpu" in text and "speedup:" in text and "accept length:" in text
+
+
+# -- draft-extend bookkeeping, against a dense teacher-forced reference ---------------------------
+
+
+def _dense_drafts(model: TinyMiMo, committed: list[int], bonus_and_drafts: list[int], steps: int) -> list[int]:
+    """MTP block k's argmax at the last committed position, computed densely over the whole sequence:
+    block k at position p reads (target_hidden[p], token[p + k + 1])."""
+    from speculative.distill import DenseAttend
+
+    n = len(committed)
+    attend = DenseAttend(1, n)
+    chain = committed + bonus_and_drafts
+    with torch.no_grad():
+        hidden = model.target_hidden(torch.tensor(committed), attend.positions, attend)
+        out = []
+        for k in range(steps):
+            ids = torch.tensor(chain[k + 1 : k + 1 + n])
+            out.append(int(model.logits(model.mtp_hidden(k, ids, hidden, attend.positions, attend)[-1]).argmax()))
+            if len(chain) < n + k + 2:
+                chain.append(out[-1])
+    return out
+
+
+def test_prefill_and_draft_extend_produce_the_dense_drafts(model: TinyMiMo) -> None:
+    """After prefill every MTP block's draft equals the dense chain (ids rotated k + 1 times); after each
+    iteration MTP block 0's draft equals the dense block 0 at the last accepted row, so positions, slots,
+    hidden-state rows and the select index line up. (Blocks k >= 1 may differ after an iteration: their
+    KV at the k positions before the committed length was computed from drafts, as in SGLang.)"""
+    _, spec = engines(model, "cpu", 3, 16)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 33)), [3] * 11]
+    requests = spec._new_requests(prompts, 30)
+    try:
+        with torch.no_grad():
+            spec._prefill(requests, None)
+        for r in requests:
+            assert r.drafts == _dense_drafts(model, r.prompt, [r.output[-1]], 3)
+        seen_accepts = set()
+        for _ in range(6):
+            active = [r for r in requests if not r.finished]
+            with torch.no_grad():
+                seen_accepts.update(spec._step(active, None))
+            for r in active:
+                committed = (r.prompt + r.output)[: r.committed]
+                assert r.committed == len(r.prompt) + len(r.output) - 1  # the bonus is not in the cache yet
+                assert r.drafts[0] == _dense_drafts(model, committed, [r.output[-1]], 1)[0]
+        assert len(seen_accepts) > 1  # both rejections and multi-token accepts were exercised
+    finally:
+        for r in requests:
+            spec._finish(r)
+    assert spec.allocator.num_free_pages == spec.allocator.num_pages
+
+
+def test_draft_extend_rows_carry_the_rotated_tokens(model: TinyMiMo) -> None:
+    """At draft step k the row at position p (up to the last accepted row) is fed token p + k + 1:
+    verified tokens first, then the bonus, then the fresh drafts d1'..dk' of this iteration."""
+    _, spec = engines(model, "cpu", 3, 16)
+    fed: list[list[int]] = []
+    for runner in spec.draft_runners:
+        def record(inputs, metadata, run=runner.run):  # type: ignore[no-untyped-def]
+            fed.append(inputs["input_ids"].tolist())
+            return run(inputs, metadata)
+
+        runner.run = record  # type: ignore[method-assign]
+    requests = spec._new_requests([[5, 6, 7, 8, 9], list(range(40, 60))], 30)
+    rows = 4
+    try:
+        with torch.no_grad():
+            spec._prefill(requests, None)
+            for _ in range(5):
+                active = [r for r in requests if not r.finished]
+                before = [r.committed for r in active]
+                fed.clear()
+                accepts = spec._step(active, None)
+                for b, (r, start, a) in enumerate(zip(active, before, accepts)):
+                    chain = r.prompt + r.output + r.drafts
+                    for k in range(3):
+                        got = fed[k][b * rows : b * rows + a]
+                        assert got == [chain[start + i + k + 1] for i in range(a)], (k, a)
+    finally:
+        for r in requests:
+            spec._finish(r)
