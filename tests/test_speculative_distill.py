@@ -1,0 +1,88 @@
+"""MTP distillation: training targets, greedy data, the weight cache, and that training helps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hal.errors import SpecError
+from speculative.distill import (
+    DenseAttend,
+    DistillConfig,
+    _mtp_inputs,
+    cache_path_for,
+    distill,
+    greedy_sequences,
+    mtp_accuracy,
+)
+from speculative.model import TinyConfig, TinyMiMo
+
+TINY = TinyConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=6, sliding_window=8)
+QUICK = DistillConfig(num_sequences=32, seq_len=32, steps=40, batch_size=16)
+
+
+def test_mtp_inputs_hand_computed() -> None:
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    ids, labels = _mtp_inputs(tokens, torch.tensor([2]), 0)
+    assert ids.tolist() == [[11, 12, 13, 14, 15, 0]]  # block 0 at p reads token p + 1
+    assert labels.tolist() == [[12, 13, 14, 15, -100, -100]]  # and predicts token p + 2
+    ids, labels = _mtp_inputs(tokens, torch.tensor([4]), 1)
+    assert ids.tolist() == [[12, 13, 14, 15, 0, 0]]  # block 1 at p reads token p + 2
+    assert labels.tolist() == [[-100, 14, 15, -100, -100, -100]]  # labels inside the prompt are masked
+
+
+def test_training_data_is_the_targets_greedy_continuation() -> None:
+    model = TinyMiMo(TINY).eval()
+    tokens, prompt_lens = greedy_sequences(model, QUICK, num=6)
+    assert tokens.shape == (6, QUICK.seq_len)
+    attend = DenseAttend(6, QUICK.seq_len)
+    with torch.no_grad():
+        argmax = model.logits(model.target_hidden(tokens.reshape(-1), attend.positions, attend)).argmax(-1)
+    argmax = argmax.view(6, -1)
+    for row, n in zip(range(6), prompt_lens.tolist()):
+        assert QUICK.min_prompt_len <= n <= QUICK.max_prompt_len
+        # every generated token is the target's argmax after the tokens before it
+        assert tokens[row, n:].tolist() == argmax[row, n - 1 : -1].tolist()
+
+
+def test_distillation_raises_mtp_accuracy_and_is_cached(tmp_path: Path) -> None:
+    model = TinyMiMo(TINY)
+    heldout, heldout_lens = greedy_sequences(model, QUICK, seed_offset=7, num=16)
+    before = mtp_accuracy(model, heldout, heldout_lens)
+    report = distill(model, QUICK, cache_dir=tmp_path)
+    after = mtp_accuracy(model, heldout, heldout_lens)
+    assert not report.from_cache and report.cache_path is not None and report.cache_path.exists()
+    assert all(b < 0.1 for b in before)  # a random head is almost never right
+    assert all(a > 0.5 for a in after), after
+    # A fresh model with the same config and seed loads exactly these weights.
+    again = TinyMiMo(TINY)
+    second = distill(again, QUICK, cache_dir=tmp_path)
+    assert second.from_cache and second.cache_path == report.cache_path
+    for p, q in zip(model.mtp_parameters(), again.mtp_parameters()):
+        assert torch.equal(p, q)
+    # The target never moved, and everything is trainable again afterwards.
+    fresh = TinyMiMo(TINY)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        if not name.startswith("mtp_blocks."):
+            assert torch.equal(p, q), name
+        assert p.requires_grad
+
+
+def test_cache_key_follows_config_seed_and_weights(tmp_path: Path) -> None:
+    model = TinyMiMo(TINY)
+    base = cache_path_for(model, QUICK, tmp_path)
+    assert cache_path_for(TinyMiMo(TINY), QUICK, tmp_path) == base
+    assert cache_path_for(model, DistillConfig(num_sequences=32, seq_len=32, steps=41, batch_size=16), tmp_path) != base
+    assert cache_path_for(TinyMiMo(TinyConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=6, sliding_window=8, seed=1)), QUICK, tmp_path) != base
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0  # same config, different target weights
+    assert cache_path_for(model, QUICK, tmp_path) != base
+
+
+def test_bad_distill_config_raises() -> None:
+    with pytest.raises(SpecError, match="seq_len"):
+        DistillConfig(max_prompt_len=30, seq_len=32)
+    with pytest.raises(SpecError, match="batch_size"):
+        DistillConfig(batch_size=0)
