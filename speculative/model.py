@@ -125,6 +125,9 @@ class RMSNorm(nn.Module):
 class PartialRotary(nn.Module):
     """RoPE on the first ``rope_dim`` dims of each head (neox-style halves); the rest pass through."""
 
+    cos: torch.Tensor  # [max_position, rope_dim / 2]
+    sin: torch.Tensor
+
     def __init__(self, rope_dim: int, theta: float, max_position: int) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -128,7 +129,7 @@ class _TargetEngine:
         size = max_batch_size * self.pages_per_request * page_size
         swa = None
         if cfg.swa_layer_ids:
-            swa = SWAPoolSpec(cfg.swa_layer_ids, size, cfg.swa_kv_heads, cfg.qk_head_dim, cfg.v_head_dim)
+            swa = SWAPoolSpec(cfg.swa_layer_ids, size, cfg.swa_kv_heads, cfg.qk_head_dim, cfg.v_head_dim)  # type: ignore[arg-type]
         target_spec = KVPoolSpec(
             cfg.num_layers, size, page_size, cfg.full_kv_heads, cfg.qk_head_dim, cfg.v_head_dim, kv_dtype, swa
         )
@@ -166,7 +167,7 @@ class _TargetEngine:
         return runner
 
     def _target_tokens_and_hidden(
-        self, inputs: dict[str, torch.Tensor], metadata: AttentionMetadata
+        self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.target_hidden(
             inputs["input_ids"], metadata.positions, KernelAttend(self.target_attention, metadata)
@@ -316,7 +317,7 @@ class MultiLayerEagleWorker(_TargetEngine):
         )
         self.draft_runners = [
             self._graph_runner(
-                lambda inputs, md, k=k: self._mtp_tokens(k, inputs["input_ids"], inputs["hidden"], md),
+                functools.partial(self._draft_step, k),
                 self.mtp_attention,
                 ForwardMode.DRAFT_EXTEND_V2,
                 rows,
@@ -324,6 +325,9 @@ class MultiLayerEagleWorker(_TargetEngine):
             )
             for k in range(num_steps)
         ]
+
+    def _draft_step(self, step: int, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        return self._mtp_tokens(step, inputs["input_ids"], inputs["hidden"], metadata)
 
     def _mtp_tokens(
         self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, metadata: AttentionMetadata
