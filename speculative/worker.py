@@ -17,6 +17,9 @@ not yet in the cache) and drafts ``d1..dS`` from the previous iteration.
 KV slots for ``L .. L + S`` are reserved ahead from the paged allocator; slots of rejected
 positions are simply overwritten by the next iteration, and a request's pages are freed when it
 finishes. The MTP blocks keep their KV in a pool of their own addressed by the target's slots.
+As in SGLang's fixed-window draft extend, MTP block ``k``'s KV at the ``k`` positions before the
+committed length was computed from draft tokens and is not rewritten if those drafts are later
+rejected; that costs draft quality only, never correctness, since the target verifies.
 """
 
 from __future__ import annotations
@@ -99,7 +102,13 @@ class GenerationResult:
 
 
 class _TargetEngine:
-    """Backend, hybrid target KV pool, allocator and prefill shared by both decoders."""
+    """Backend, hybrid target KV pool, allocator and prefill shared by both decoders.
+
+    The model is moved to the backend's device in place. The KV pool holds ``max_batch_size``
+    requests of up to ``max_seq_len`` positions; graphs are captured for ``graph_batch_sizes``
+    (default 1, 2, 4, ... up to ``max_batch_size``). ``page_size`` and ``kv_dtype`` must suit the
+    backend's kernel (e.g. FIA v2 with head dim 192 wants bf16/fp16 and pages of 128).
+    """
 
     #: KV positions a request may need beyond its prompt and max_new_tokens (the unverified drafts).
     lookahead = 0
@@ -240,7 +249,10 @@ class _TargetEngine:
         *,
         eos_token_id: int | None = None,
     ) -> GenerationResult:
-        """Greedy-generate for a batch of prompts; a request stops at ``max_new_tokens`` or after EOS."""
+        """Greedy-generate for a batch of prompts; a request stops at ``max_new_tokens`` or after EOS.
+
+        ``seconds`` in the result covers the whole call, prefill included.
+        """
         requests = self._new_requests(prompts, max_new_tokens)
         if len(requests) > self.max_batch_size:
             raise SpecError(f"generate: batch of {len(requests)} exceeds max_batch_size={self.max_batch_size}")
