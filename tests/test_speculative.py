@@ -70,15 +70,25 @@ prompt = st.lists(st.integers(1, SMALL.vocab_size - 1), min_size=1, max_size=24)
     prompts=st.lists(prompt, min_size=1, max_size=4),
     num_steps=st.integers(1, 3),
     page_size=st.sampled_from([16, 64]),
-    max_new=st.integers(1, 40),
+    data=st.data(),
 )
-def test_speculative_equals_plain_greedy_on_cpu(model: TinyMiMo, prompts: list[list[int]], num_steps: int, page_size: int, max_new: int) -> None:
+def test_speculative_equals_plain_greedy_on_cpu(
+    model: TinyMiMo, prompts: list[list[int]], num_steps: int, page_size: int, data: st.DataObject
+) -> None:
+    """Token for token, with per-request limits and (sometimes) an EOS the target really emits,
+    so requests finish at different iterations."""
     plain, spec = engines(model, "cpu", num_steps, page_size)
-    expect = plain.generate(prompts, max_new)
-    got = spec.generate(prompts, max_new)
+    max_new = data.draw(st.lists(st.integers(1, 40), min_size=len(prompts), max_size=len(prompts)), label="max_new")
+    free_run = plain.generate(prompts, max_new).tokens
+    emitted = sorted({t for out in free_run for t in out})
+    eos = data.draw(st.none() | st.sampled_from(emitted), label="eos")
+    expect = plain.generate(prompts, max_new, eos_token_id=eos)
+    got = spec.generate(prompts, max_new, eos_token_id=eos)
     assert got.tokens == expect.tokens
-    assert all(len(t) == max_new for t in got.tokens)
+    for out, limit in zip(got.tokens, max_new):
+        assert len(out) == limit or (eos is not None and out[-1] == eos and eos not in out[:-1])
     assert all(1 <= a <= num_steps + 1 for a in got.accept_lengths)
+    assert spec.allocator.num_free_pages == spec.allocator.num_pages
 
 
 @pytest.fixture()
