@@ -4,7 +4,7 @@
     pytest --hal-device=mydev --hal-quick -k "graph"  # a covering subset, then pytest's own -k
 
 Registered through the ``pytest11`` entry point, so installing hal makes the options available.
-Without ``--hal-device`` it adds nothing to a session (and imports neither torch nor hal).
+Without ``--hal-device`` it adds no items and resolves no backend.
 Checks the backend declines with ``UnsupportedConfigError`` are skipped with reason
 "unsupported: ..."; the per-feature table is printed at the end of the run. The fixture
 ``hal_backend`` gives a project's own tests the backend under test.
