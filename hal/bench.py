@@ -1,0 +1,494 @@
+"""``hal bench``: a backend's KV writes, paged attention and dispatch cost against plain torch.
+
+Every comparison runs its two sides alternately in one process (warm-up, then repeated
+timed samples, ``backend.synchronize()`` around each, medians), so machine load hits both
+alike and only the *ratio* is reported against a target:
+
+- KV write: ``pool.set_kv`` throughput vs a plain ``copy_`` of the same bytes (target >= 0.5x);
+- paged attention (decode, extend) vs ``torch.nn.functional.scaled_dot_product_attention``
+  on the same K/V gathered densely (decode target: <= 1.5x the SDPA time);
+- dispatch: a forward through hal's objects (metadata, validation, pool, kernel) vs the same
+  torch ops called directly (target: <= 2% overhead; CPU reference kernel only);
+- memory: split K/V bytes per token vs one buffer padded to max(head_dim, v_head_dim), for
+  MiMo-V2-Flash's real dims;
+- with ``--spec``: plain greedy vs the MTP worker of ``speculative`` (imported only then).
+
+Writes ``results.md``, ``results.csv`` and ``results.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from hal.allocator import KVAllocator, RequestPageTable
+from hal.errors import UnsupportedConfigError
+from hal.metadata import build_metadata
+from hal.protocols import Backend
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+
+# MiMo-V2-Flash attention (see the reference notes): 48 layers, 9 full + 39 SWA, qk 192 / v 128.
+MIMO_LAYERS, MIMO_FULL_LAYERS = 48, (0, 5, 11, 17, 23, 29, 35, 41, 47)
+MIMO_FULL_KV_HEADS, MIMO_SWA_KV_HEADS, MIMO_QK_DIM, MIMO_V_DIM = 4, 8, 192, 128
+
+
+@attrs.frozen
+class Measurement:
+    """One row of the results table. ``ratio`` is hal relative to the baseline, as ``ratio_of`` says."""
+
+    name: str
+    hal: float
+    baseline: float
+    unit: str
+    ratio: float
+    ratio_of: str  # what the ratio means, e.g. "hal/copy throughput"
+    target: str = ""
+    met: bool | None = None
+
+    def cells(self) -> list[str]:
+        met = "" if self.met is None else ("yes" if self.met else "**no**")
+        return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", self.ratio_of, self.target, met]
+
+
+HEADER = ["benchmark", "hal", "baseline", "unit", "ratio", "ratio is", "target", "met"]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}" if abs(x) < 1e5 else f"{x:,.0f}"
+
+
+@attrs.frozen
+class BenchConfig:
+    """Sizes of the timed workloads (``quick`` shrinks them for smoke runs)."""
+
+    decode_batch: int = 8
+    decode_kv_len: int = 1024
+    extend_len: int = 512
+    write_tokens: int = 4096
+    q_heads: int = 16
+    kv_heads: int = MIMO_FULL_KV_HEADS
+    head_dim: int = MIMO_QK_DIM
+    v_head_dim: int = MIMO_V_DIM
+    page_size: int = 128
+    repeats: int = 15
+    warmup: int = 3
+    min_sample_s: float = 0.002  # a timed sample repeats the op until it lasts about this long
+
+    @classmethod
+    def quick(cls) -> BenchConfig:
+        return cls(decode_batch=2, decode_kv_len=256, extend_len=128, write_tokens=512, repeats=5, warmup=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the timing harness
+
+
+def _sample(backend: Backend, fn: Callable[[], Any], inner: int) -> float:
+    backend.synchronize()
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    backend.synchronize()
+    return (time.perf_counter() - start) / inner
+
+
+def time_pair(
+    backend: Backend, a: Callable[[], Any], b: Callable[[], Any], *, repeats: int, warmup: int, min_sample_s: float = 0.0
+) -> tuple[float, float]:
+    """Median seconds per call of ``a`` and ``b``, timed alternately after ``warmup`` calls each."""
+    for _ in range(warmup):
+        a()
+        b()
+    inner = []
+    for fn in (a, b):
+        once = _sample(backend, fn, 1)
+        inner.append(max(1, math.ceil(min_sample_s / max(once, 1e-9))))
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(_sample(backend, a, inner[0]))
+        tb.append(_sample(backend, b, inner[1]))
+    return statistics.median(ta), statistics.median(tb)
+
+
+# ---------------------------------------------------------------------------------------------
+# workloads
+
+
+@attrs.define
+class _Setup:
+    backend: Backend
+    dtype: torch.dtype
+    cfg: BenchConfig
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def layer(self) -> LayerSpec:
+        c = self.cfg
+        return LayerSpec(0, c.q_heads, c.kv_heads, c.head_dim, c.v_head_dim, scaling=c.head_dim**-0.5)
+
+    def pool_and_table(self, lengths: Sequence[int]) -> tuple[Any, RequestPageTable]:
+        c = self.cfg
+        pages = sum(-(-n // c.page_size) for n in lengths) + 1
+        spec = KVPoolSpec(1, pages * c.page_size, c.page_size, c.kv_heads, c.head_dim, c.v_head_dim, self.dtype)
+        pool = self.backend.create_kv_pool(spec)
+        table = RequestPageTable(KVAllocator(pool))
+        for r, n in enumerate(lengths):
+            table.reserve(r, n)
+        return pool, table
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, dtype=torch.float32).to(self.dtype).to(self.device)
+
+
+def bench_kv_write(s: _Setup, tokens: int) -> Measurement:
+    c = s.cfg
+    pool, table = s.pool_and_table([tokens])
+    loc = table.slots(0, torch.randperm(tokens)).to(s.device)  # scattered, as paged writes are
+    k, v = s.randn(tokens, c.kv_heads, c.head_dim), s.randn(tokens, c.kv_heads, c.v_head_dim)
+    dst_k, dst_v = torch.empty_like(k), torch.empty_like(v)
+
+    def hal_write() -> None:
+        pool.set_kv(0, loc, k, v)
+
+    def plain_copy() -> None:
+        dst_k.copy_(k)
+        dst_v.copy_(v)
+
+    t_hal, t_copy = time_pair(s.backend, hal_write, plain_copy, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
+    nbytes = (k.numel() + v.numel()) * k.element_size()
+    gbs_hal, gbs_copy = nbytes / t_hal / 1e9, nbytes / t_copy / 1e9
+    ratio = gbs_hal / gbs_copy
+    return Measurement(f"KV write, {tokens} tokens (set_kv vs copy_)", gbs_hal, gbs_copy, "GB/s", ratio,
+                       "hal/copy throughput", ">= 0.5", ratio >= 0.5)
+
+
+def _dense_kv(pool: Any, table: RequestPageTable, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's K/V gathered into dense ``[B, kv_heads, L, dim]`` (equal lengths)."""
+    kb, vb = pool.k_buffer(0), pool.v_buffer(0)
+    ks, vs = [], []
+    for r, n in enumerate(lengths):
+        slots = table.slots(r, range(n)).to(kb.device)
+        ks.append(kb.reshape(-1, kb.shape[-2], kb.shape[-1])[slots].transpose(0, 1))
+        vs.append(vb.reshape(-1, vb.shape[-2], vb.shape[-1])[slots].transpose(0, 1))
+    return torch.stack(ks), torch.stack(vs)
+
+
+def _dense_baselines(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Exact dense SDPA formulations of the same attention; the benchmark times the fastest.
+
+    ``q`` is ``[B, Hq, Lq, Dk]``, ``k``/``v`` are ``[B, Hkv, L, D]``. Torch's fused CPU kernel
+    needs equal qk and v dims, so one variant pads V to ``Dk`` and slices the output; in decode
+    (one query, no mask) the query heads of a group can also ride as query rows of their kv head.
+    """
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    b, hq, lq, dk = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    group = hq // hkv
+    causal = not decode  # extend here is a full prefill: q_len == kv_len, so top-left causal is right
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    v_pad = torch.nn.functional.pad(v_rep, (0, dk - dv)) if dk > dv else v_rep
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        "enable_gqa": lambda: sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=True),
+        "K/V repeated per q head": lambda: sdpa(q, k_rep, v_rep, is_causal=causal, scale=scale),
+        "K/V repeated, V padded to qk dim": lambda: sdpa(q, k_rep, v_pad, is_causal=causal, scale=scale)[..., :dv],
+    }
+    if decode:
+        q_rows = q.reshape(b, hkv, group * lq, dk)
+        v_rows_pad = torch.nn.functional.pad(v, (0, dk - dv)) if dk > dv else v
+
+        def rows(vv: torch.Tensor) -> Callable[[], torch.Tensor]:
+            return lambda: sdpa(q_rows, k, vv, scale=scale)[..., :dv].reshape(b, hq, lq, dv)
+
+        out["group heads as query rows"] = rows(v)
+        out["group heads as query rows, V padded"] = rows(v_rows_pad)
+    return out
+
+
+def _fastest(backend: Backend, candidates: dict[str, Callable[[], Any]]) -> tuple[str, Callable[[], Any]]:
+    times = {}
+    for name, fn in candidates.items():
+        fn()
+        times[name] = statistics.median(_sample(backend, fn, 1) for _ in range(3))
+    best = min(times, key=lambda n: times[n])
+    return best, candidates[best]
+
+
+def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
+    c, layer = s.cfg, s.layer()
+    decode = mode is ForwardMode.DECODE
+    if decode:
+        batch, kv_len, q_len = c.decode_batch, c.decode_kv_len, 1
+    else:
+        batch, kv_len, q_len = 1, c.extend_len, c.extend_len
+    lengths = [kv_len] * batch
+    pool, table = s.pool_and_table(lengths)
+    prefix = kv_len - q_len
+    for r in range(batch):  # fill the whole cache once; the timed forwards do not write
+        slots = table.slots(r, range(kv_len)).to(s.device)
+        pool.set_kv(0, slots, s.randn(kv_len, c.kv_heads, c.head_dim), s.randn(kv_len, c.kv_heads, c.v_head_dim))
+    md = build_metadata(
+        mode, kv_lens=lengths, q_lens=[q_len] * batch, page_table=table.table(range(batch)),
+        out_cache_loc=torch.cat([table.slots(r, range(prefix, kv_len)) for r in range(batch)]), pool=pool,
+    )
+    attn = s.backend.create_attention(pool)
+    q = s.randn(batch * q_len, c.q_heads, c.head_dim)
+    k_new, v_new = s.randn(batch * q_len, c.kv_heads, c.head_dim), s.randn(batch * q_len, c.kv_heads, c.v_head_dim)
+    dense_k, dense_v = _dense_kv(pool, table, lengths)
+    dense_q = q.view(batch, q_len, c.q_heads, c.head_dim).transpose(1, 2).contiguous()
+
+    def paged() -> torch.Tensor:
+        return attn.forward(q, k_new, v_new, layer, md, save_kv_cache=False)
+
+    baselines = _dense_baselines(dense_q, dense_k, dense_v, layer.scaling, decode)
+    expect = paged().float().view(batch, q_len, c.q_heads, c.v_head_dim).transpose(1, 2).cpu()
+    atol = 2e-5 if s.dtype == torch.float32 else 3e-2
+    for name, fn in baselines.items():  # every baseline computes the same attention as the paged kernel
+        got = fn().float().cpu()
+        if not torch.allclose(got, expect, atol=atol, rtol=atol):
+            raise AssertionError(f"dense baseline {name!r} disagrees with the paged kernel by {float((got - expect).abs().max()):.3g}")
+    best, dense = _fastest(s.backend, baselines)
+    t_paged, t_dense = time_pair(s.backend, paged, dense, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
+    ratio = t_paged / t_dense
+    shape = f"B={batch}, kv={kv_len}" + ("" if decode else f", q={q_len}")
+    return Measurement(f"paged {mode.name.lower()} attention ({shape}) vs SDPA [{best}]", t_paged * 1e3, t_dense * 1e3,
+                       "ms", ratio, "hal/SDPA time", "<= 1.5" if decode else "", (ratio <= 1.5) if decode else None)
+
+
+def bench_dispatch(s: _Setup) -> list[Measurement]:
+    """A decode forward through hal's objects vs the reference's torch ops called directly.
+
+    Both sides get the step's tensors ready-made (an engine builds the metadata once per step
+    and shares it across layers); the metadata build is reported separately, per step.
+    """
+    from backends.cpu.attention import CpuAttention, paged_attention
+
+    c, layer = s.cfg, s.layer()
+    batch, kv_len = c.decode_batch, c.decode_kv_len
+    lengths = [kv_len] * batch
+    pool, table = s.pool_and_table(lengths)
+    attn = s.backend.create_attention(pool)
+    if not isinstance(attn, CpuAttention):
+        return []
+    pages = table.table(range(batch))
+    loc = torch.cat([table.slots(r, [kv_len - 1]) for r in range(batch)])
+    q = s.randn(batch, c.q_heads, c.head_dim)
+    k, v = s.randn(batch, c.kv_heads, c.head_dim), s.randn(batch, c.kv_heads, c.v_head_dim)
+
+    def metadata() -> Any:
+        return build_metadata(ForwardMode.DECODE, kv_lens=lengths, q_lens=[1] * batch, page_table=pages, out_cache_loc=loc, pool=pool)
+
+    md = metadata()
+    kb, vb = pool.k_buffer(0), pool.v_buffer(0)
+    kflat, vflat = kb.view(-1, c.kv_heads, c.head_dim), vb.view(-1, c.kv_heads, c.v_head_dim)
+    loc_d = loc.to(s.device)
+
+    def through_hal() -> None:
+        attn.forward(q, k, v, layer, md)
+
+    def direct() -> None:
+        kflat.index_copy_(0, loc_d, k)
+        vflat.index_copy_(0, loc_d, v)
+        paged_attention(q, kb, vb, md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling)
+
+    t_hal, t_direct = time_pair(s.backend, through_hal, direct, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
+    overhead = (t_hal - t_direct) / t_direct * 100
+    t_md, t_fwd = time_pair(s.backend, metadata, through_hal, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
+    return [
+        Measurement(f"dispatch: decode forward via hal (B={batch}, kv={kv_len}) vs direct ops", t_hal * 1e3,
+                    t_direct * 1e3, "ms", overhead, "overhead %", "<= 2", overhead <= 2),
+        Measurement(f"build_metadata per step (B={batch}) vs one layer's forward", t_md * 1e3, t_fwd * 1e3, "ms",
+                    t_md / t_fwd * 100, "% of one layer"),
+    ]
+
+
+def mimo_pool_spec(tokens: int = 4096, page_size: int = 128) -> KVPoolSpec:
+    swa_ids = tuple(i for i in range(MIMO_LAYERS) if i not in MIMO_FULL_LAYERS)
+    return KVPoolSpec(
+        num_layers=MIMO_LAYERS, size=tokens, page_size=page_size, kv_heads=MIMO_FULL_KV_HEADS,
+        head_dim=MIMO_QK_DIM, v_head_dim=MIMO_V_DIM, dtype=torch.bfloat16,
+        swa=SWAPoolSpec(swa_ids, tokens, MIMO_SWA_KV_HEADS, MIMO_QK_DIM, MIMO_V_DIM),
+    )
+
+
+def bench_memory() -> list[Measurement]:
+    """Split K/V (hal's layout) vs a shared buffer padded to max(qk, v) dims, bf16, per token."""
+    spec = mimo_pool_spec()
+    split_total = spec.bytes_per_token()
+    elem = 2
+    padded_dim = max(MIMO_QK_DIM, MIMO_V_DIM)
+    out = []
+    n_full, n_swa = len(MIMO_FULL_LAYERS), MIMO_LAYERS - len(MIMO_FULL_LAYERS)
+    padded_total = 0
+    for label, heads, count in (("full", MIMO_FULL_KV_HEADS, n_full), ("SWA", MIMO_SWA_KV_HEADS, n_swa)):
+        split = heads * (MIMO_QK_DIM + MIMO_V_DIM) * elem
+        padded = heads * 2 * padded_dim * elem
+        padded_total += padded * count
+        out.append(Measurement(f"KV bytes/token, one MiMo {label} layer ({heads} kv heads)", split, padded, "B",
+                               (1 - split / padded) * 100, "saving % vs padded"))
+    out.append(Measurement(f"KV bytes/token, all 48 MiMo layers ({n_full} full + {n_swa} SWA)", split_total, padded_total,
+                           "B", (1 - split_total / padded_total) * 100, "saving % vs padded"))
+    return out
+
+
+def bench_speculative(backend_device: str, emulate: bool, quick: bool) -> list[Measurement]:
+    """Plain greedy vs the MTP worker (``speculative``), alternating runs, medians."""
+    from speculative import demo
+    from speculative.distill import DistillConfig, distill
+    from speculative.model import TinyConfig, TinyMiMo
+
+    model = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=3))
+    distill(model, DistillConfig())
+    batch, new_tokens, repeats = (2, 16, 1) if quick else (4, 64, 3)
+    plain, spec, _ = demo.build_engines(model, backend_device, 3, "auto", emulate=emulate, page_size=128,
+                                        max_batch_size=batch, max_seq_len=16 + 3 * batch + new_tokens + 4)
+    prompts = demo.make_prompts(batch, model.config.vocab_size, 0)
+    plain.generate(prompts[:1], 2)
+    spec.generate(prompts[:1], 2)
+    base, fast = [], []
+    for _ in range(repeats):
+        base.append(plain.generate(prompts, new_tokens))
+        fast.append(spec.generate(prompts, new_tokens))
+    if any(r.tokens != base[0].tokens for r in base + fast):
+        raise AssertionError("speculative output differs from plain greedy output")
+    b = statistics.median(r.tokens_per_second for r in base)
+    f = statistics.median(r.tokens_per_second for r in fast)
+    return [Measurement(f"MTP S=3 decode, tiny MiMo, batch {batch} (accept {fast[0].mean_accept_length:.2f})", f, b,
+                        "tok/s", f / b, "speedup")]
+
+
+# ---------------------------------------------------------------------------------------------
+# running and reporting
+
+
+def _pick_dtype(backend: Backend, cfg: BenchConfig) -> torch.dtype:
+    """float32 where the kernel takes it, else bfloat16 (FIA v2 on Ascend)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        s = _Setup(backend, dtype, attrs.evolve(cfg, decode_batch=1, decode_kv_len=cfg.page_size))
+        try:
+            bench_attention(attrs.evolve(s, cfg=attrs.evolve(s.cfg, repeats=1, warmup=0, min_sample_s=0.0)), ForwardMode.DECODE)
+            return dtype
+        except UnsupportedConfigError:
+            continue
+    raise UnsupportedConfigError(f"backend {backend.name!r} runs the benchmark layer in neither float32 nor bfloat16")
+
+
+def run_benchmarks(backend: Backend, cfg: BenchConfig, *, spec: bool = False, device: str = "cpu",
+                   emulate: bool = False, quick: bool = False, log: Callable[[str], None] = print) -> list[Measurement]:
+    """Every measurement, in table order."""
+    dtype = _pick_dtype(backend, cfg)
+    s = _Setup(backend, dtype, cfg)
+    log(f"backend {backend.name!r} on {backend.device}, {str(dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}")
+    results = [bench_kv_write(s, 64), bench_kv_write(s, cfg.write_tokens)]
+    results += [bench_attention(s, ForwardMode.DECODE), bench_attention(s, ForwardMode.EXTEND)]
+    results += bench_dispatch(s)
+    results += bench_memory()
+    if spec:
+        results += bench_speculative(device, emulate, quick)
+    return results
+
+
+def markdown_table(results: Sequence[Measurement]) -> str:
+    rows = [HEADER, ["---"] * len(HEADER), *(m.cells() for m in results)]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def write_outputs(results: Sequence[Measurement], out_dir: Path, title: str) -> list[Path]:
+    """results.md, results.csv and results.png (ratios with their targets) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, csv_path, png = out_dir / "results.md", out_dir / "results.csv", out_dir / "results.png"
+    md.write_text(f"{title}\n\n{markdown_table(results)}\n")
+    with csv_path.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(HEADER)
+        writer.writerows([m.name, m.hal, m.baseline, m.unit, m.ratio, m.ratio_of, m.target, m.met] for m in results)
+    _plot(results, png, title)
+    return [md, csv_path, png]
+
+
+def _plot(results: Sequence[Measurement], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(results) + 1.5))
+    names = [f"{m.name}\n[{m.ratio_of}]" for m in results]
+    colors = ["tab:gray" if m.met is None else ("tab:green" if m.met else "tab:red") for m in results]
+    ax.barh(range(len(results)), [m.ratio for m in results], color=colors)
+    for i, m in enumerate(results):
+        if m.target:
+            bound = float(m.target.split()[-1])
+            ax.plot([bound, bound], [i - 0.4, i + 0.4], color="black", linewidth=2)
+        ax.text(m.ratio, i, f" {m.ratio:.3g}", va="center", fontsize=8)
+    ax.set_yticks(range(len(results)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ratio (black tick: target; green met, red missed, gray no target)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``hal bench``."""
+    parser.add_argument("--device", default="cpu", help="device string of the backend to benchmark (default: cpu)")
+    parser.add_argument("--emulate", action="store_true", help="install the backend's CPU emulator first")
+    parser.add_argument("--out", default="bench-results", type=Path, help="directory for results.md/.csv/.png (default: ./bench-results)")
+    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 15, quick 5)")
+    parser.add_argument("--spec", action="store_true",
+                        help="also time plain greedy vs the MTP worker (needs speculative; distils the MTP blocks once)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hal bench``: print the table and write the result files; exit 0 (targets are reported, not enforced)."""
+    import hal
+
+    if args.repeats is not None and args.repeats < 1:
+        print(f"hal bench: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cfg = BenchConfig.quick() if args.quick else BenchConfig()
+    if args.repeats is not None:
+        cfg = attrs.evolve(cfg, repeats=args.repeats)
+    backend = hal.get_backend(args.device, emulate=args.emulate)
+    results = run_benchmarks(backend, cfg, spec=args.spec, device=args.device, emulate=args.emulate, quick=args.quick)
+    title = (f"hal bench: {backend.name} on {backend.device}{' (emulated)' if args.emulate else ''}, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of {cfg.repeats} alternating samples")
+    print(markdown_table(results))
+    for path in write_outputs(results, args.out, title):
+        print(f"wrote {path}")
+    missed = [m.name for m in results if m.met is False]
+    if missed:
+        print(f"targets missed: {'; '.join(missed)}")
+    return 0
+
+
+__all__ = [
+    "BenchConfig",
+    "Measurement",
+    "add_arguments",
+    "bench_memory",
+    "markdown_table",
+    "mimo_pool_spec",
+    "run",
+    "run_benchmarks",
+    "time_pair",
+    "write_outputs",
+]

@@ -1,0 +1,106 @@
+"""``hal bench``: the harness alternates its two sides, the memory figures match a hand count,
+the dense baselines agree with the paged kernel, and the command writes its table and plot."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from backends.cpu import CpuBackend
+from hal.bench import BenchConfig, Measurement, bench_memory, markdown_table, run_benchmarks, time_pair, write_outputs
+
+TINY = attrs.evolve(BenchConfig.quick(), decode_batch=2, decode_kv_len=160, extend_len=96, write_tokens=256,
+                    q_heads=8, kv_heads=2, repeats=2, warmup=1, min_sample_s=0.0)
+
+
+class _CountingBackend(CpuBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+
+def test_time_pair_alternates_and_synchronizes_around_every_sample() -> None:
+    be = _CountingBackend()
+    calls: list[str] = []
+    ta, tb = time_pair(be, lambda: calls.append("a"), lambda: calls.append("b"), repeats=4, warmup=2)
+    assert ta >= 0 and tb >= 0
+    assert calls[:4] == ["a", "b", "a", "b"]  # warm-up pairs
+    timed = calls[4 + 2:]  # after the two single calibration calls
+    assert timed == ["a", "b"] * 4
+    assert be.syncs == 2 * (2 + 2 * 4)  # before and after every calibration and timed sample
+
+
+def test_memory_rows_match_a_hand_count_for_mimo_v2_flash() -> None:
+    rows = {m.name: m for m in bench_memory()}
+    full = rows["KV bytes/token, one MiMo full layer (4 kv heads)"]
+    swa = rows["KV bytes/token, one MiMo SWA layer (8 kv heads)"]
+    total = rows["KV bytes/token, all 48 MiMo layers (9 full + 39 SWA)"]
+    # bf16: 2 bytes; split K 192 + V 128, padded K 192 + V 192.
+    assert (full.hal, full.baseline) == (4 * (192 + 128) * 2, 4 * (192 + 192) * 2)
+    assert (swa.hal, swa.baseline) == (8 * 320 * 2, 8 * 384 * 2)
+    assert (total.hal, total.baseline) == (9 * 2560 + 39 * 5120, 9 * 3072 + 39 * 6144)
+    assert total.ratio == pytest.approx(100 * (1 - 320 / 384))
+
+
+def test_run_benchmarks_and_outputs(tmp_path: Path) -> None:
+    results = run_benchmarks(CpuBackend(), TINY, log=lambda line: None)
+    names = [m.name for m in results]
+    assert any(n.startswith("KV write, 64 tokens") for n in names)
+    assert any(n.startswith("paged decode attention") for n in names)
+    assert any(n.startswith("paged extend attention") for n in names)
+    assert any(n.startswith("dispatch: decode forward via hal") for n in names)
+    for m in results:
+        assert m.hal > 0 and m.baseline > 0 and m.ratio == m.ratio  # no NaN
+        assert (m.met is None) == (m.target == "")
+    paths = write_outputs(results, tmp_path, "title")
+    md, csv_path, png = paths
+    table_lines = [line for line in md.read_text().splitlines() if line.startswith("| ")]
+    assert len(table_lines) == len(results) + 2  # header, separator, one row each
+    with csv_path.open() as fh:
+        assert len(list(csv.reader(fh))) == len(results) + 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_targets_are_judged_from_the_ratio() -> None:
+    m = Measurement("x", 1.0, 2.0, "ms", 0.5, "hal/SDPA time", "<= 1.5", True)
+    table = markdown_table([m])
+    assert table.splitlines()[2].split("|")[-2].strip() == "yes"
+    miss = attrs.evolve(m, met=False)
+    assert "**no**" in markdown_table([miss])
+
+
+def test_bench_command_writes_results(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import hal.bench
+    from hal.cli import main
+
+    monkeypatch.setattr(hal.bench.BenchConfig, "quick", classmethod(lambda cls: TINY))
+    assert main(["bench", "--quick", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "| benchmark |" in out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["results.csv", "results.md", "results.png"]
+    assert main(["bench", "--repeats", "0"]) == 2
+
+
+def test_dense_baselines_compute_the_paged_result() -> None:
+    from hal.bench import _dense_baselines
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 1, 24), torch.randn(2, 2, 40, 24), torch.randn(2, 2, 40, 16)
+    # Independent dense reference: repeat kv heads, softmax over all keys (decode: no mask).
+    kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    expect = torch.softmax(q @ kr.transpose(-1, -2) * 0.3, -1) @ vr
+    for name, fn in _dense_baselines(q, k, v, 0.3, decode=True).items():
+        torch.testing.assert_close(fn(), expect, atol=1e-5, rtol=1e-5, msg=name)
+    qe = torch.randn(1, 8, 40, 24)
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()
+    scores = (qe @ kr[:1].transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    expect_e = torch.softmax(scores, -1) @ vr[:1]
+    for name, fn in _dense_baselines(qe, k[:1], v[:1], 0.3, decode=False).items():
+        torch.testing.assert_close(fn(), expect_e, atol=1e-5, rtol=1e-5, msg=name)
