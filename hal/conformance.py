@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import random
 import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -529,7 +530,7 @@ def _case_shapes(mode: ForwardMode, ps: int) -> tuple[tuple[int, ...], tuple[int
 
 def attention_cases(quick: bool = False) -> list[AttentionCase]:
     """The suite's attention cases: every profile x mode x variant (quick: a covering subset)."""
-    cases = []
+    cases: list[AttentionCase] = []
     profiles = QUICK_PROFILES if quick else ATTENTION_PROFILES
     for pi, prof in enumerate(profiles):
         for mi, mode in enumerate(MODES):
@@ -868,7 +869,7 @@ def _check_loop(backend: Backend, cfg: LoopConfig) -> None:
     from backends.cpu import CpuBackend
 
     graphed = _LoopWorld(backend, cfg, use_graphs=True)  # first: a backend without graphs says so up front
-    reference = _LoopWorld(CpuBackend(), cfg, use_graphs=False)
+    reference = _LoopWorld(cast(Backend, CpuBackend()), cfg, use_graphs=False)
     reference.run()
     eager = _LoopWorld(backend, cfg, use_graphs=False)
     eager.run()
@@ -889,7 +890,10 @@ def loop_configs(quick: bool = False) -> list[LoopConfig]:
                 page_size=128, window=127)
     # Batch plans: 3 is padded to the captured 4, 5 runs eagerly, repeats replay a graph with new lengths.
     if quick:
-        plans = {"generic": ((3, 4, 1, 5), (3, 4, 5)), "mimo": ((3, 4, 1, 5), (3, 4, 5))}
+        plans: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+            "generic": ((3, 4, 1, 5), (3, 4, 5)),
+            "mimo": ((3, 4, 1, 5), (3, 4, 5)),
+        }
     else:
         plans = {"generic": ((2, 3, 3, 1, 4, 5, 2), (3, 3, 2, 4, 5, 1)), "mimo": ((2, 3, 4, 5, 1), (3, 4, 2, 5))}
     out = []
@@ -903,12 +907,13 @@ def loop_configs(quick: bool = False) -> list[LoopConfig]:
 def _graph_checks(quick: bool) -> list[Check]:
     checks = []
     for cfg in loop_configs(quick):
+        features: tuple[str, ...]
         if cfg.draft_steps:
             features = ("graph: TARGET_VERIFY replay", "graph: DRAFT_EXTEND_V2 replay (every draft step)")
         else:
             features = ("graph: DECODE replay",)
         features += ("graph: padded batch", "graph: eager fallback", "graph: batch/kv lens change between replays")
-        checks.append(Check(f"graph loop {cfg.label}", features, lambda backend, c=cfg: _check_loop(backend, c)))
+        checks.append(Check(f"graph loop {cfg.label}", features, functools.partial(_check_loop, cfg=cfg)))
     checks.append(Check("graph replay before capture", ("errors: graph misuse",), _check_graph_misuse))
     return checks
 
@@ -1006,7 +1011,7 @@ def _error_checks() -> list[Check]:
             Check(
                 f"attention bad input [{shape}]",
                 ("errors: attention bad input", "errors: typed, nothing written"),
-                lambda backend, c=cfg: _check_attention_errors(backend, c),
+                functools.partial(_check_attention_errors, cfg=cfg),
             )
         )
     return checks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -114,7 +115,7 @@ class GraphRunner:
             )
             inputs = {name: buf[: bs * tpr] for name, buf in self._static_inputs.items()}
             graph = self.backend.create_graph()
-            outputs = graph.capture(lambda i=inputs, m=metadata: self.forward(i, m), pool=memory_pool)
+            outputs = graph.capture(functools.partial(self.forward, inputs, metadata), pool=memory_pool)
             self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
 
     def run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:

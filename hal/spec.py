@@ -11,6 +11,7 @@ tokens including itself" passes ``W = 127``.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -66,6 +67,10 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
         raise SpecError(
             f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}"
         )
+
+
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
 
 
 def _float_dtype(instance: Any, attribute: attrs.Attribute, value: torch.dtype) -> None:
@@ -125,7 +130,7 @@ class LayerSpec:
 class SWAPoolSpec:
     """The sliding-window part of a hybrid pool: its own (smaller) size and head config."""
 
-    layer_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    layer_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     size: int = attrs.field(validator=_positive)  # tokens
     kv_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)

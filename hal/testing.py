@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import cast
 
 import attrs
 import torch
@@ -27,14 +28,18 @@ TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
+def _int_tuple(value: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(x) for x in value)
+
+
 @attrs.frozen
 class AttentionCase:
     """One attention forward to check. ``kv_lens`` include the ``q_lens`` new tokens."""
 
     mode: ForwardMode
     layer: LayerSpec
-    kv_lens: tuple[int, ...] = attrs.field(converter=tuple)
-    q_lens: tuple[int, ...] = attrs.field(converter=tuple)
+    kv_lens: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    q_lens: tuple[int, ...] = attrs.field(converter=_int_tuple)
     page_size: int = 16
     dtype: torch.dtype = torch.float32
     hybrid: bool = False  # put the layer in the SWA sub-pool of a hybrid pool
@@ -121,7 +126,7 @@ def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | 
     """Materialise ``case`` on ``backend`` and on the CPU reference, with identical contents."""
     from backends.cpu import CpuBackend
 
-    reference = reference or CpuBackend()
+    reference = reference if reference is not None else cast(Backend, CpuBackend())
     lay = case.layer
     spec = pool_spec_for(case)
     gen = torch.Generator().manual_seed(case.seed)
@@ -231,7 +236,7 @@ def standard_attention_cases(
     seed: int = 0,
 ) -> list[AttentionCase]:
     """Every forward mode crossed with window/sinks/hybrid, on ragged batches crossing page edges."""
-    cases = []
+    cases: list[AttentionCase] = []
     spec_tokens = 4
     for dtype in dtypes:
         for ps in page_sizes:

@@ -52,7 +52,7 @@ def test_memory_rows_match_a_hand_count_for_mimo_v2_flash() -> None:
 def test_run_benchmarks_and_outputs(tmp_path: Path) -> None:
     results = run_benchmarks(CpuBackend(), TINY, log=lambda line: None)
     names = [m.name for m in results]
-    assert any(n.startswith("KV write, 64 tokens") for n in names)
+    assert any(n.startswith("KV write, 64 scattered tokens (set_kv vs copy_)") for n in names)
     assert any(n.startswith("paged decode attention") for n in names)
     assert any(n.startswith("paged extend attention") for n in names)
     assert any(n.startswith("dispatch: decode forward via hal") for n in names)
