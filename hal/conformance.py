@@ -805,20 +805,13 @@ class _LoopWorld:
                 self.table.release(rid)
                 del self.lengths[rid]
             for rid, prompt in it.joins:
+                # The prompt's K/V go straight into the pool (prefill attention is the attention
+                # checks' business; here it would only make slow emulators slower).
                 self.table.reserve(rid, prompt)
-                md = build_metadata(
-                    ForwardMode.EXTEND,
-                    kv_lens=[prompt],
-                    q_lens=[prompt],
-                    page_table=self.table.table([rid]),
-                    out_cache_loc=self.table.slots(rid, range(prompt)),
-                    pool=self.pool,
-                )
-                inputs: dict[str, torch.Tensor] = {}
+                slots = self.table.slots(rid, range(prompt)).to(self.device)
                 for lay in cfg.layers():
-                    inputs |= self._qkv(lay, prompt, "prefill", rid)
-                for lay, out in zip(cfg.layers(), self._forward(cfg.layers())(inputs, md)):
-                    self.outputs[(it_no, "prefill", rid, lay.layer_id)] = _host(out)
+                    qkv = self._qkv(lay, prompt, "prefill", rid)
+                    self.pool.set_kv(lay.layer_id, slots, qkv[f"k{lay.layer_id}"], qkv[f"v{lay.layer_id}"])
                 self.lengths[rid] = prompt
             batch = list(it.live)
             kv_lens = [self.lengths[r] + tpr for r in batch]
