@@ -820,7 +820,7 @@ class _LoopWorld:
             rows = len(batch) * tpr
             mode = cfg.verify_mode
             md = self._metadata(mode, batch, tpr, kv_lens)
-            inputs = {}
+            inputs: dict[str, torch.Tensor] = {}
             for lay in cfg.target_layers():
                 inputs |= self._qkv(lay, rows, "verify", it_no)
             outs = self._run(self.verify_runner, cfg.target_layers(), inputs, md, f"iteration {it_no} {mode.name}")
