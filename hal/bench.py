@@ -249,6 +249,7 @@ def _fastest(backend: Backend, candidates: dict[str, Callable[[], Any]]) -> tupl
 
 
 def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
+    """Paged attention (no KV write) vs the fastest exact dense SDPA on the same gathered K/V."""
     c, layer = s.cfg, s.layer()
     decode = mode is ForwardMode.DECODE
     if decode:
@@ -359,6 +360,7 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
 
 
 def mimo_pool_spec(tokens: int = 4096, page_size: int = 128) -> KVPoolSpec:
+    """A bf16 hybrid pool with MiMo-V2-Flash's 48 attention layers (9 full, 39 SWA)."""
     swa_ids = tuple(i for i in range(MIMO_LAYERS) if i not in MIMO_FULL_LAYERS)
     return KVPoolSpec(
         num_layers=MIMO_LAYERS, size=tokens, page_size=page_size, kv_heads=MIMO_FULL_KV_HEADS,
@@ -445,6 +447,7 @@ def run_benchmarks(backend: Backend, cfg: BenchConfig, *, spec: bool = False, de
 
 
 def markdown_table(results: Sequence[Measurement]) -> str:
+    """The results as a markdown table (the README's and results.md's format)."""
     rows = [HEADER, ["---"] * len(HEADER), *(m.cells() for m in results)]
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hal`` parser with one sub-command per entry of ``COMMANDS``."""
     parser = argparse.ArgumentParser(prog="hal", description="hal: hardware abstraction layer for LLM inference engines")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; hal errors become a one-line message and exit code 1."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -61,6 +61,8 @@ from hal.testing import TOLERANCE, AttentionCase, kv_rows, read_kv, run_attentio
 
 
 class Status(enum.Enum):
+    """Outcome of one check."""
+
     PASSED = "passed"
     FAILED = "failed"
     UNSUPPORTED = "unsupported"
@@ -81,6 +83,8 @@ class Check:
 
 @attrs.frozen
 class CheckResult:
+    """A check's status, why (failure or unsupported reason) and how long it took."""
+
     check: Check
     status: Status
     detail: str = ""
@@ -89,6 +93,8 @@ class CheckResult:
 
 @attrs.frozen
 class FeatureRow:
+    """Counts of one feature in the report table."""
+
     feature: str
     passed: int
     failed: int

@@ -119,6 +119,7 @@ class GraphRunner:
             self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
 
     def run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:
+        """Replay the smallest captured size >= the batch (eagerly above the largest); real rows only."""
         if metadata.mode != self.mode:
             raise SpecError(f"GraphRunner for {self.mode.name} got {metadata.mode.name} metadata")
         b, tpr = metadata.batch_size, self.tokens_per_request

@@ -27,12 +27,29 @@ class KVPool(Protocol):
     spec: KVPoolSpec
     device: torch.device
 
-    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
-    def k_buffer(self, layer: int) -> torch.Tensor: ...
-    def v_buffer(self, layer: int) -> torch.Tensor: ...
-    def bytes_per_token(self) -> int: ...
-    def is_swa_layer(self, layer: int) -> bool: ...
-    def swa_block_table(self, block_table: torch.Tensor) -> torch.Tensor: ...
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k[i]``/``v[i]`` at full-pool slot ``loc[i]``; bad input raises and writes nothing."""
+        ...
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """``[pages + 1, page_size, kv_heads, head_dim]`` view of the layer's K (its own sub-pool)."""
+        ...
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """``[pages + 1, page_size, kv_heads, v_head_dim]`` view of the layer's V."""
+        ...
+
+    def bytes_per_token(self) -> int:
+        """K + V bytes one token takes, summed over all layers."""
+        ...
+
+    def is_swa_layer(self, layer: int) -> bool:
+        """Whether the layer lives in the sliding-window sub-pool."""
+        ...
+
+    def swa_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """A full-pool block table translated to SWA sub-pool pages (page 0 stays 0)."""
+        ...
 
 
 @runtime_checkable
@@ -54,6 +71,7 @@ class AttentionKernel(Protocol):
         *,
         sinks: torch.Tensor | None = None,  # [num_q_heads], when layer.has_sinks
     ) -> torch.Tensor:  # [T, num_q_heads, v_head_dim]
+        """Write the new K/V (when ``save_kv_cache``) and attend over the paged cache."""
         ...
 
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
@@ -67,12 +85,19 @@ class Graph(Protocol):
 
     captured_calls: Sequence[tuple[AttentionKernel, LayerSpec]]
 
-    def capture(self, fn: Callable[[], T], *, pool: Any = None) -> T: ...
-    def replay(self, update: GraphUpdate | None = None) -> None: ...
+    def capture(self, fn: Callable[[], T], *, pool: Any = None) -> T:
+        """Capture ``fn`` (inside ``hal.graph.capture_span()``); returns its static outputs."""
+        ...
+
+    def replay(self, update: GraphUpdate | None = None) -> None:
+        """Apply ``update`` (buffer copies, then host params), then replay into the static outputs."""
+        ...
 
 
 @attrs.frozen
 class Availability:
+    """What ``Backend.probe()`` found: usable or not, and why."""
+
     available: bool
     reason: str  # why not, or a short description of what was found
     device_count: int = 0
@@ -89,13 +114,31 @@ class Backend(Protocol):
     device: torch.device
 
     @classmethod
-    def probe(cls) -> Availability: ...
+    def probe(cls) -> Availability:
+        """Cheap availability check (no device work); the registry reports its reason."""
+        ...
 
     @classmethod
-    def is_available(cls) -> bool: ...
+    def is_available(cls) -> bool:
+        """``probe().available``."""
+        ...
 
-    def create_kv_pool(self, spec: KVPoolSpec) -> KVPool: ...
-    def create_attention(self, pool: KVPool) -> AttentionKernel: ...
-    def create_graph(self) -> Graph: ...
-    def graph_memory_pool(self) -> Any: ...
-    def synchronize(self) -> None: ...
+    def create_kv_pool(self, spec: KVPoolSpec) -> KVPool:
+        """A split-K/V paged pool on this backend's device."""
+        ...
+
+    def create_attention(self, pool: KVPool) -> AttentionKernel:
+        """The attention kernel for ``pool`` (every forward mode)."""
+        ...
+
+    def create_graph(self) -> Graph:
+        """A fresh, uncaptured graph."""
+        ...
+
+    def graph_memory_pool(self) -> Any:
+        """A memory-pool handle graphs of one runner share (None where not applicable)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (timing, host reads)."""
+        ...

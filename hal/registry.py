@@ -90,6 +90,7 @@ def register_backend(device_type: str, target: str | type, *, override: bool = F
 
 
 def unregister_backend(device_type: str) -> None:
+    """Forget ``device_type`` and its cached instances (no error if it was not registered)."""
     device_type = device_type.lower()
     with _lock:
         _entries.pop(device_type, None)

@@ -63,6 +63,8 @@ class AttentionCase:
 
 @attrs.define
 class CaseResult:
+    """Outcome of ``run_attention_case``: passed, the largest output error, what differed."""
+
     case: AttentionCase
     passed: bool
     max_abs_err: float
@@ -109,6 +111,7 @@ def read_kv(pool: KVPool, layer: int, slots: torch.Tensor | None = None) -> tupl
 
 
 def pool_spec_for(case: AttentionCase, extra_pages: int = 3) -> KVPoolSpec:
+    """A pool just big enough for ``case`` (hybrid: the layer in the SWA part, odd full dims)."""
     lay = case.layer
     pages = sum(-(-n // case.page_size) for n in case.kv_lens) + extra_pages
     size = pages * case.page_size
