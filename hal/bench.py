@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import math
 import statistics
 import sys
@@ -508,7 +509,13 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         print(f"hal bench: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
+    if importlib.util.find_spec("matplotlib") is None:
+        print("hal bench: matplotlib is needed for results.png (pip install 'hal[bench]')", file=sys.stderr)
+        return 3
     if args.threads is not None:
+        if args.threads < 1:
+            print(f"hal bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
         torch.set_num_threads(args.threads)
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     if args.repeats is not None:

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import torch
 
+import hal
 from hal.errors import UnsupportedConfigError
 from speculative.distill import DistillConfig, distill
 from speculative.model import TinyConfig, TinyMiMo
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run the demo; returns 0 when speculative output equals plain greedy output, 1 otherwise."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    hal.get_backend(args.device, emulate=args.emulate)  # an unknown or unavailable device fails before training
     model = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
     report = distill(
         model,

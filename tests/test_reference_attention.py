@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import backends.cpu.attention as cpu_attention
 from backends.cpu import CpuBackend, paged_attention
 from hal.metadata import build_metadata
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
@@ -190,6 +191,41 @@ def test_every_mode_and_feature_matches_dense_oracle(mode, window, sinks, hybrid
     q = [7, 4, 9] if q_len is None else [q_len] * 3  # EXTEND: chunk on a prefix, a full prefill, another
     out, expect = run_reference(mode, layer, kv, q, page_size=4, dtype=dtype, seed=len(kv) * 7 + int(mode), hybrid=hybrid)
     assert_close(out, expect, dtype)
+
+
+@pytest.mark.parametrize("mode", [M.EXTEND, M.DECODE, M.TARGET_VERIFY])
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, True, False), (3, True, True)])
+def test_one_request_per_gather_chunk_matches_dense_oracle(mode, window, sinks, hybrid, monkeypatch) -> None:
+    """A chunk budget below one request's K/V attends every request in its own group."""
+    monkeypatch.setattr(cpu_attention, "GATHER_CHUNK_BYTES", 1)
+    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    kv = [19, 4, 0, 9] if mode is M.EXTEND else [19, 4, 9]
+    q = [7, 4, 0, 9] if mode is M.EXTEND else [{M.DECODE: 1, M.TARGET_VERIFY: 4}[mode]] * 3
+    out, expect = run_reference(mode, layer, kv, q, page_size=4, dtype=torch.float32, seed=11, hybrid=hybrid)
+    assert_close(out, expect, torch.float32)
+
+
+def test_gather_chunks_group_consecutive_requests_within_the_budget(monkeypatch) -> None:
+    """The budget counts fp32 K+V of the widest request times the group size."""
+    seen: list[int] = []
+    real = cpu_attention._attend_requests
+
+    def spy(q, k_cache, v_cache, block_table, *args, **kwargs):
+        seen.append(block_table.shape[0])
+        return real(q, k_cache, v_cache, block_table, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "_attend_requests", spy)
+    ps, hkv, dk, dv = 4, 1, 2, 2
+    k_cache, v_cache = torch.randn(9, ps, hkv, dk), torch.randn(9, ps, hkv, dv)
+    block_table = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 0], [7, 0]])
+    kv_lens = torch.tensor([8, 4, 5, 3, 1])  # padded to 8, 4, 8, 4, 4 slots
+    q = torch.randn(5, 1, dk)
+    token = hkv * (dk + dv) * 4
+    paged_attention(q, k_cache, v_cache, block_table, kv_lens, torch.arange(6), scaling=1.0, chunk_bytes=16 * token)
+    assert seen == [2, 2, 1]  # 8x2 fits, 8x3 does not; 8x2 again; the last alone
+    seen.clear()
+    paged_attention(q, k_cache, v_cache, block_table, kv_lens, torch.arange(6), scaling=1.0, chunk_bytes=1)
+    assert seen == [1] * 5
 
 
 # -- hand-computed cases: q = 0 makes every visible score 0, so each output is a plain average ----------

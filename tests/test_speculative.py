@@ -178,6 +178,20 @@ def test_demo_runs_and_reports_identical_outputs() -> None:
     assert "backend: cpu" in text and "speedup:" in text and "accept length:" in text
 
 
+def test_demo_on_an_unavailable_device_fails_with_one_line_before_training(monkeypatch, capsys) -> None:
+    from hal.cli import main
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the demo trained before checking its device")
+
+    monkeypatch.setattr(demo, "distill", no_training)
+    assert main(["demo", "--device", "npu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hal demo: BackendUnavailableError:") and "torch_npu" in err and "\n" not in err
+    assert main(["demo", "--device", "tpu"]) == 1
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
 # -- draft-extend bookkeeping, against a dense teacher-forced reference ---------------------------
 
 

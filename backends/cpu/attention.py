@@ -13,6 +13,12 @@ from hal.protocols import KVPool
 from hal.spec import LayerSpec
 
 
+# Requests are attended in chunks whose gathered fp32 K/V stays about this size: the gathered
+# copy then stays in cache for the matmuls that read it (up to 1.4x faster than one batch-wide
+# gather at decode sizes) and transient memory stays bounded however large the batch.
+GATHER_CHUNK_BYTES = 12 << 20
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
     k_cache: torch.Tensor,  # [num_pages + 1, page_size, Hkv, Dk]
@@ -24,40 +30,87 @@ def paged_attention(
     scaling: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
+    chunk_bytes: int | None = None,  # default: GATHER_CHUNK_BYTES
 ) -> torch.Tensor:
     """Attention of packed queries over paged KV; rows that see no key (and no sink) are 0.
 
     Query row ``i`` of request ``b`` sits at absolute position ``kv_lens[b] - q_len_b + i`` and
-    sees keys ``j <= p`` (and ``j >= p - sliding_window`` when a window is set).
+    sees keys ``j <= p`` (and ``j >= p - sliding_window`` when a window is set). Consecutive
+    requests are grouped so each group's gathered fp32 K/V is at most ``chunk_bytes`` (at least
+    one request per group).
     """
     t, hq, _ = q.shape
     b = block_table.shape[0]
-    ps, hkv, dv = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    ps, hkv, dk, dv = v_cache.shape[1], v_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     out = torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
     if t == 0 or b == 0:
         return out
+    budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    token_bytes = hkv * (dk + dv) * 4
+    padded_kv = [-(-n // ps) * ps for n in kv_lens.tolist()]
+    cu_host = cu_q_lens.tolist()
+    start = 0
+    while start < b:
+        end, widest = start + 1, padded_kv[start]
+        while end < b and max(widest, padded_kv[end]) * (end + 1 - start) * token_bytes <= budget:
+            widest = max(widest, padded_kv[end])
+            end += 1
+        rows = slice(cu_host[start], cu_host[end])
+        out[rows] = _attend_requests(
+            q[rows], k_cache, v_cache, block_table[start:end], kv_lens[start:end],
+            cu_q_lens[start : end + 1] - cu_host[start], [cu_host[i + 1] - cu_host[i] for i in range(start, end)],
+            widest, scaling=scaling, sliding_window=sliding_window, sinks=sinks,
+        )
+        start = end
+    return out
+
+
+def _attend_requests(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    q_lens_host: list[int],
+    padded_kv: int,
+    *,
+    scaling: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``paged_attention`` for one group of requests, their first ``padded_kv`` slots gathered."""
+    t, hq, _ = q.shape
+    b = block_table.shape[0]
+    ps, hkv, dv = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    max_q = max(q_lens_host)
+    if t == 0 or padded_kv == 0:
+        return torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
     cu = cu_q_lens.long()
     q_lens = cu[1:] - cu[:-1]
     kv = kv_lens.long()
-    max_q, max_kv = int(q_lens.max()), int(kv.max())
-    if max_kv == 0:
-        return out
-    n_pages = -(-max_kv // ps)
-    pages = block_table[:, :n_pages].long()
-    keys = k_cache[pages].reshape(b, n_pages * ps, hkv, -1).float()
-    values = v_cache[pages].reshape(b, n_pages * ps, hkv, dv).float()
+    n_pages = padded_kv // ps
+    # index_select copies whole pages (memcpy per page); advanced indexing is twice as slow.
+    pages = block_table[:, :n_pages].reshape(-1).long()
+    keys = k_cache.index_select(0, pages).view(b, padded_kv, hkv, -1).float()
+    values = v_cache.index_select(0, pages).view(b, padded_kv, hkv, dv).float()
 
-    token = torch.arange(t, device=q.device)
-    req = torch.bucketize(token, cu[1:], right=True)
-    row = token - cu[req]
     group = hq // hkv
-    qp = torch.zeros((b, max_q, hq, q.shape[2]), dtype=torch.float32, device=q.device)
-    qp[req, row] = q.float()
+    # Equal query lengths (decode, verify, draft steps) pack as [B, max_q] already.
+    uniform = all(n == max_q for n in q_lens_host)
+    if uniform:
+        qp = q.float().view(b, max_q, hq, -1)
+    else:
+        token = torch.arange(t, device=q.device)
+        req = torch.bucketize(token, cu[1:], right=True)
+        row = token - cu[req]
+        qp = torch.zeros((b, max_q, hq, q.shape[2]), dtype=torch.float32, device=q.device)
+        qp[req, row] = q.float()
     qp = qp.view(b, max_q, hkv, group, -1)
     scores = _per_kv_head_matmul(qp.permute(0, 2, 3, 1, 4), keys.permute(0, 2, 3, 1)) * scaling  # [B, Hkv, G, max_q, K]
 
     pos = (kv - q_lens)[:, None] + torch.arange(max_q, device=q.device)[None, :]  # [B, max_q]
-    key_idx = torch.arange(n_pages * ps, device=q.device)
+    key_idx = torch.arange(padded_kv, device=q.device)
     allowed = (key_idx[None, None, :] < kv[:, None, None]) & (key_idx[None, None, :] <= pos[..., None])
     if sliding_window is not None:
         allowed &= key_idx[None, None, :] >= pos[..., None] - sliding_window
@@ -75,7 +128,7 @@ def paged_attention(
     ctx = _per_kv_head_matmul(weights, values.permute(0, 2, 1, 3))  # [B, Hkv, G, max_q, Dv]
     ctx = torch.where(denom[..., None] > 0, ctx / denom.clamp_min(1e-30)[..., None], torch.zeros_like(ctx))
     ctx = ctx.reshape(b, hq, max_q, dv).permute(0, 2, 1, 3)  # [B, max_q, Hq, Dv]
-    return ctx[req, row].to(q.dtype)
+    return (ctx.reshape(t, hq, dv) if uniform else ctx[req, row]).to(q.dtype)
 
 
 def _per_kv_head_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
