@@ -449,3 +449,33 @@ def test_hand_computed_swa_write_lands_at_mapped_slot() -> None:
     assert k[2, 1, 0].tolist() == [1.0, 2.0] and v[2, 1, 0].tolist() == [3.0, 4.0, 5.0]
     assert int((k != 0).sum()) == 2 and int((v != 0).sum()) == 3
     assert int((pool.k_buffer(0) != 0).sum()) == 0  # the full layer saw nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, dim", [(4, 8), (2, 3), (1, 1)])  # rows of 16k bytes, odd widths, one element
+@pytest.mark.parametrize("strided", [False, True])
+def test_set_kv_copies_every_bit_pattern_exactly(dtype, heads, dim, strided) -> None:
+    """Whatever element width the write uses, NaN payloads, infinities and -0.0 land bit for bit,
+    for contiguous rows and for rows that are slices of a wider tensor (a fused qkv output)."""
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    info = torch.iinfo(bits)
+    pool = SplitKVPool(KVPoolSpec(2, 16, 4, heads, dim, dim, dtype))
+    gen = torch.Generator().manual_seed(heads * dim)
+    n = 7
+
+    def rows() -> torch.Tensor:
+        raw = torch.randint(info.min, info.max, (n, heads, 2 * dim if strided else dim), generator=gen, dtype=torch.int64)
+        x = raw.to(bits).view(dtype)
+        return x[..., 1 : dim + 1] if strided else x
+
+    k, v = rows(), rows()
+    loc = torch.tensor([5, 19, 4, 12, 17, 6, 8])
+    before_other = pool.k_buffer(0).clone()
+    pool.set_kv(1, loc, k, v)
+    kb, vb = pool.k_buffer(1).reshape(-1, heads, dim), pool.v_buffer(1).reshape(-1, heads, dim)
+    assert torch.equal(kb[loc].view(bits), k.contiguous().view(bits))
+    assert torch.equal(vb[loc].view(bits), v.contiguous().view(bits))
+    untouched = torch.ones(kb.shape[0], dtype=torch.bool)
+    untouched[loc] = False
+    assert not kb[untouched].view(bits).any() and not vb[untouched].view(bits).any()
+    assert torch.equal(pool.k_buffer(0).view(bits), before_other.view(bits))
