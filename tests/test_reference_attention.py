@@ -340,3 +340,21 @@ def test_empty_batch_returns_empty_output() -> None:
     empty = torch.zeros(0, 2, 2)
     out = CpuBackend().create_attention(pool).forward(empty, torch.zeros(0, 1, 2), torch.zeros(0, 1, 3), LayerSpec(0, 2, 1, 2, 3, 1.0), md)
     assert out.shape == (0, 2, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_workspace_reuse_across_calls_of_changing_size_matches_fresh_buffers(dtype) -> None:
+    """One workspace serving a large call, a smaller one and a larger one again gives the same
+    output as a call that gathers into new tensors (stale contents never leak in)."""
+    gen = torch.Generator().manual_seed(3)
+    ps, hkv, hq, dk, dv = 4, 2, 4, 8, 6
+    k_cache = torch.randn(12, ps, hkv, dk, generator=gen).to(dtype)
+    v_cache = torch.randn(12, ps, hkv, dv, generator=gen).to(dtype)
+    ws = cpu_attention.GatherWorkspace()
+    for kv_lens, table in (([9, 7], [[3, 1, 5], [2, 8, 0]]), ([3], [[11, 0, 0]]), ([12, 5, 8], [[4, 6, 7], [9, 10, 0], [1, 2, 0]])):
+        b = len(kv_lens)
+        q = torch.randn(b, hq, dk, generator=gen).to(dtype)
+        args = (q, k_cache, v_cache, torch.tensor(table), torch.tensor(kv_lens), torch.arange(b + 1))
+        fresh = paged_attention(*args, scaling=0.3)
+        reused = paged_attention(*args, scaling=0.3, workspace=ws)
+        assert torch.equal(reused, fresh)
