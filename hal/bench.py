@@ -103,6 +103,20 @@ def _sample(backend: Backend, fn: Callable[[], Any], inner: int) -> float:
     return (time.perf_counter() - start) / inner
 
 
+@attrs.frozen
+class PairTiming:
+    """Seconds per call of two alternately timed functions, and their ratio.
+
+    ``a_over_b`` is the median of the per-pair ratios: neighbouring samples share the machine's
+    load at that moment, so drifting load cancels out of it where it would not from a ratio of
+    two medians.
+    """
+
+    a: float
+    b: float
+    a_over_b: float
+
+
 def time_pair(
     backend: Backend,
     a: Callable[[], Any],
@@ -112,9 +126,9 @@ def time_pair(
     warmup: int,
     min_sample_s: float = 0.0,
     stat: Callable[[list[float]], float] = statistics.median,
-) -> tuple[float, float]:
-    """Seconds per call of ``a`` and ``b`` (``stat`` of the samples, median by default), timed
-    alternately after ``warmup`` calls each."""
+) -> PairTiming:
+    """``a`` and ``b`` timed alternately after ``warmup`` calls each; ``stat`` (median by default)
+    of each side's samples."""
     for _ in range(warmup):
         a()
         b()
@@ -126,7 +140,7 @@ def time_pair(
     for _ in range(repeats):
         ta.append(_sample(backend, a, inner[0]))
         tb.append(_sample(backend, b, inner[1]))
-    return stat(ta), stat(tb)
+    return PairTiming(stat(ta), stat(tb), statistics.median(x / max(y, 1e-12) for x, y in zip(ta, tb)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,8 +203,8 @@ def bench_kv_write(s: _Setup, tokens: int) -> list[Measurement]:
         (plain_copy, "copy_", "hal/copy throughput", ">= 0.5"),
         (bare_scatter, "bare index_copy_", "hal/index_copy_ throughput", ""),
     ):
-        t_hal, t_base = time_pair(s.backend, hal_write, baseline, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
-        ratio = t_base / t_hal
+        pt = time_pair(s.backend, hal_write, baseline, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
+        t_hal, t_base, ratio = pt.a, pt.b, 1 / pt.a_over_b
         out.append(Measurement(f"KV write, {tokens} scattered tokens (set_kv vs {label})", nbytes / t_hal / 1e9,
                                nbytes / t_base / 1e9, "GB/s", ratio, ratio_of, target, (ratio >= 0.5) if target else None))
     return out
@@ -284,8 +298,8 @@ def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
         if not torch.allclose(got, expect, atol=atol, rtol=atol):
             raise AssertionError(f"dense baseline {name!r} disagrees with the paged kernel by {float((got - expect).abs().max()):.3g}")
     best, dense = _fastest(s.backend, baselines)
-    t_paged, t_dense = time_pair(s.backend, paged, dense, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
-    ratio = t_paged / t_dense
+    pt = time_pair(s.backend, paged, dense, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
+    t_paged, t_dense, ratio = pt.a, pt.b, pt.a_over_b
     shape = f"B={batch}, kv={kv_len}" + ("" if decode else f", q={q_len}")
     return Measurement(f"paged {mode.name.lower()} attention ({shape}) vs SDPA [{best}]", t_paged * 1e3, t_dense * 1e3,
                        "ms", ratio, "hal/SDPA time", "<= 1.5" if decode else "", (ratio <= 1.5) if decode else None)
@@ -341,14 +355,15 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
         return []
     through_hal, direct, metadata = real
     timing = dict(repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
-    t_hal, t_direct = time_pair(s.backend, through_hal, direct, **timing)  # type: ignore[arg-type]
-    side_by_side = (t_hal - t_direct) / t_direct * 100
+    pt = time_pair(s.backend, through_hal, direct, **timing)  # type: ignore[arg-type]
+    t_hal, t_direct, side_by_side = pt.a, pt.b, (pt.a_over_b - 1) * 100
     # Minimum of the samples: a constant cost shows in the fastest runs, interference only slows.
-    tiny_hal, tiny_direct = time_pair(s.backend, tiny[0], tiny[1], repeats=c.repeats, warmup=c.warmup,
-                                      min_sample_s=max(c.min_sample_s, 0.02), stat=min)
-    per_call = tiny_hal - tiny_direct
+    tiny_pt = time_pair(s.backend, tiny[0], tiny[1], repeats=c.repeats, warmup=c.warmup,
+                        min_sample_s=max(c.min_sample_s, 0.02), stat=min)
+    per_call = tiny_pt.a - tiny_pt.b
     overhead = per_call / t_direct * 100
-    t_md, t_fwd = time_pair(s.backend, metadata, through_hal, **timing)  # type: ignore[arg-type]
+    md_pt = time_pair(s.backend, metadata, through_hal, **timing)  # type: ignore[arg-type]
+    t_md, t_fwd = md_pt.a, md_pt.b
     shape = f"B={c.decode_batch}, kv={c.decode_kv_len}"
     return [
         Measurement(f"dispatch: decode forward via hal vs direct ops, side by side ({shape})", t_hal * 1e3,
@@ -356,7 +371,7 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
         Measurement(f"dispatch: hal's per-call cost (measured at B=1, one page) vs the direct forward ({shape})",
                     per_call * 1e3, t_direct * 1e3, "ms", overhead, "overhead %", "<= 2", overhead <= 2),
         Measurement(f"build_metadata per step (B={c.decode_batch}) vs one layer's forward", t_md * 1e3, t_fwd * 1e3, "ms",
-                    t_md / t_fwd * 100, "% of one layer"),
+                    md_pt.a_over_b * 100, "% of one layer"),
     ]
 
 
@@ -536,6 +551,7 @@ def run(args: argparse.Namespace) -> int:
 __all__ = [
     "BenchConfig",
     "Measurement",
+    "PairTiming",
     "add_arguments",
     "bench_memory",
     "markdown_table",

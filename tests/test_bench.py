@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -30,12 +31,32 @@ class _CountingBackend(CpuBackend):
 def test_time_pair_alternates_and_synchronizes_around_every_sample() -> None:
     be = _CountingBackend()
     calls: list[str] = []
-    ta, tb = time_pair(be, lambda: calls.append("a"), lambda: calls.append("b"), repeats=4, warmup=2)
-    assert ta >= 0 and tb >= 0
+    pt = time_pair(be, lambda: calls.append("a"), lambda: calls.append("b"), repeats=4, warmup=2)
+    assert pt.a >= 0 and pt.b >= 0
     assert calls[:4] == ["a", "b", "a", "b"]  # warm-up pairs
     timed = calls[4 + 2:]  # after the two single calibration calls
     assert timed == ["a", "b"] * 4
     assert be.syncs == 2 * (2 + 2 * 4)  # before and after every calibration and timed sample
+
+
+def test_paired_ratio_is_the_median_of_per_pair_ratios(monkeypatch) -> None:
+    """On a fake clock with hand-picked durations: pairs (2, 1), (30, 10), (4, 4) after one
+    calibration call each give per-pair ratios 2, 3, 1, so the paired ratio is 2 where the ratio
+    of the medians (4 / 4) would be 1."""
+    import hal.bench as bench
+
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    durations = {"a": iter([1.0, 2.0, 30.0, 4.0]), "b": iter([1.0, 1.0, 10.0, 4.0])}
+
+    def tick(side: str) -> Callable[[], None]:
+        def fn() -> None:
+            now[0] += next(durations[side])
+
+        return fn
+
+    pt = time_pair(CpuBackend(), tick("a"), tick("b"), repeats=3, warmup=0)
+    assert (pt.a, pt.b, pt.a_over_b) == (4.0, 4.0, 2.0)
 
 
 def test_memory_rows_match_a_hand_count_for_mimo_v2_flash() -> None:
