@@ -538,6 +538,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hal bench: --threads must be >= 1, got {args.threads}", file=sys.stderr)
             return 2
         torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)  # an unwritable --out fails before the timing, not after
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     if args.repeats is not None:
         cfg = attrs.evolve(cfg, repeats=args.repeats)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; hal errors become a one-line message and exit code 1."""
+    """Run one command; hal and file-system errors become a one-line message and exit code 1."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -80,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(importlib.import_module(args._module).run(args) or 0)
     except HalError as exc:
         print(f"hal {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. an output directory that cannot be written
+        print(f"hal {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

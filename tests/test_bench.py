@@ -110,6 +110,22 @@ def test_bench_command_writes_results(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["bench", "--repeats", "0"]) == 2
 
 
+def test_bench_unwritable_out_fails_in_one_line_before_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import hal.bench
+    from hal.cli import main
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("benchmarks ran before the output directory was checked")
+
+    monkeypatch.setattr(hal.bench, "run_benchmarks", no_timing)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--quick", "--out", str(blocker / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hal bench: ") and str(blocker) in err and "\n" not in err
+
+
 def test_dense_baselines_compute_the_paged_result() -> None:
     from hal.bench import _dense_baselines
 
