@@ -488,24 +488,35 @@ def write_outputs(results: Sequence[Measurement], out_dir: Path, title: str) -> 
 
 
 def _plot(results: Sequence[Measurement], path: Path, title: str) -> None:
+    """Horizontal bars, one panel for plain ratios and one for percentages (their scales differ)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(results) + 1.5))
-    names = [f"{m.name}\n[{m.ratio_of}]" for m in results]
-    colors = ["tab:gray" if m.met is None else ("tab:green" if m.met else "tab:red") for m in results]
-    ax.barh(range(len(results)), [m.ratio for m in results], color=colors)
-    for i, m in enumerate(results):
-        if m.target:
-            bound = float(m.target.split()[-1])
-            ax.plot([bound, bound], [i - 0.4, i + 0.4], color="black", linewidth=2)
-        ax.text(m.ratio, i, f" {m.ratio:.3g}", va="center", fontsize=8)
-    ax.set_yticks(range(len(results)), names, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("ratio (black tick: target; green met, red missed, gray no target)")
-    ax.set_title(title, fontsize=9)
+    panels = [(label, [m for m in results if ("%" in m.ratio_of) == is_pct])
+              for label, is_pct in (("ratio", False), ("percent", True))]
+    panels = [(label, rows) for label, rows in panels if rows]
+    heights = [len(rows) for _, rows in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.5 * len(results) + 2.2),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (label, rows) in zip(axes[:, 0], panels):
+        colors = ["tab:gray" if m.met is None else ("tab:green" if m.met else "tab:red") for m in rows]
+        ax.barh(range(len(rows)), [m.ratio for m in rows], color=colors)
+        for i, m in enumerate(rows):
+            if m.target:
+                bound = float(m.target.split()[-1])
+                ax.plot([bound, bound], [i - 0.4, i + 0.4], color="black", linewidth=2)
+            ax.text(max(m.ratio, 0), i, f" {m.ratio:.3g}", va="center", fontsize=8)
+        names = ["\n".join(textwrap.wrap(f"{m.name} [{m.ratio_of}]", 55)) for m in rows]
+        ax.set_yticks(range(len(rows)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        ax.margins(x=0.12)
+    axes[-1, 0].set_xlabel(axes[-1, 0].get_xlabel() + "  (black tick: target; green met, red missed, gray no target)")
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -545,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
     backend = hal.get_backend(args.device, emulate=args.emulate)
     results = run_benchmarks(backend, cfg, spec=args.spec, device=args.device, emulate=args.emulate, quick=args.quick)
     title = (f"hal bench: {backend.name} on {backend.device}{' (emulated)' if args.emulate else ''}, "
-             f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of {cfg.repeats} alternating samples")
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads, ratios: median of {cfg.repeats} paired samples")
     print(markdown_table(results))
     for path in write_outputs(results, args.out, title):
         print(f"wrote {path}")
