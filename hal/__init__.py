@@ -9,6 +9,7 @@
 
 from hal.allocator import KVAllocator, PageAllocator, RequestPageTable
 from hal.errors import (
+    BackendRegistrationError,
     BackendUnavailableError,
     BatchTooLargeError,
     CacheLocationError,
@@ -35,6 +36,7 @@ __all__ = [
     "AttentionMetadata",
     "Availability",
     "Backend",
+    "BackendRegistrationError",
     "BackendUnavailableError",
     "BatchTooLargeError",
     "CacheLocationError",

@@ -11,6 +11,10 @@ class UnknownDeviceError(HalError, ValueError):
     """A device string names no registered backend."""
 
 
+class BackendRegistrationError(HalError, ValueError):
+    """A device type is registered twice without ``override=True``."""
+
+
 class BackendUnavailableError(HalError, RuntimeError):
     """The backend is registered, but this machine lacks what it needs."""
 

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import torch
 
-from hal.errors import BackendUnavailableError, UnknownDeviceError
+from hal.errors import BackendRegistrationError, BackendUnavailableError, UnknownDeviceError
 from hal.protocols import Availability, Backend
 
 ENTRY_POINT_GROUP = "hal.backends"
@@ -80,7 +80,7 @@ def register_backend(device_type: str, target: str | type, *, override: bool = F
     with _lock:
         _load_entry_points()
         if device_type in _entries and not override:
-            raise ValueError(
+            raise BackendRegistrationError(
                 f"register_backend: {device_type!r} is already registered to {_entries[device_type].target!r}; "
                 "pass override=True to replace it"
             )

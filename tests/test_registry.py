@@ -190,7 +190,7 @@ def test_register_override_unregister(isolated) -> None:
     be = hal.get_backend("fakedev:1")
     assert type(be) is first and be.index == 1
     assert hal.get_backend("fakedev:1") is be
-    with pytest.raises(ValueError, match="'fakedev' is already registered"):
+    with pytest.raises(hal.BackendRegistrationError, match="'fakedev' is already registered"):
         hal.register_backend("fakedev", second)
     assert hal.get_backend("fakedev:1") is be  # a refused registration changes nothing
     hal.register_backend("fakedev", second, override=True)
