@@ -20,9 +20,11 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
+        """Pages that can still be handed out."""
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
+        """``n`` free pages, lowest first; raises ``OutOfPagesError`` (and takes none) when fewer are free."""
         if not isinstance(n, int) or n < 0:
             raise SpecError(f"alloc: page count must be an int >= 0, got {n!r}")
         if n > len(self._free):
@@ -32,6 +34,7 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
+        """Return allocated pages; a page not allocated (or listed twice) raises and frees nothing."""
         pages = list(pages)
         bad = [p for p in pages if p not in self._used]
         if bad or len(set(pages)) != len(pages):
@@ -50,21 +53,25 @@ class KVAllocator:
 
     @property
     def page_size(self) -> int:
+        """Tokens per page of the pool."""
         return self.pool.spec.page_size
 
     @property
     def num_free_pages(self) -> int:
+        """Full pages that can still be allocated (on a hybrid pool, also limited by free SWA pages)."""
         if self.swa is None:
             return self.full.num_free
         return min(self.full.num_free, self.swa.num_free)
 
     @property
     def num_pages(self) -> int:
+        """Allocatable pages in all (page 0, the padding page, excluded)."""
         if self.swa is None:
             return self.full.num_pages
         return min(self.full.num_pages, self.swa.num_pages)
 
     def alloc(self, n: int) -> list[int]:
+        """``n`` full-pool pages; on a hybrid pool each is backed by a fresh SWA page in the pool's mapping."""
         if n > self.num_free_pages:
             raise OutOfPagesError(f"alloc: asked for {n} pages, {self.num_free_pages} free")
         pages = self.full.alloc(n)
@@ -74,6 +81,7 @@ class KVAllocator:
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
+        """Return full-pool pages and unmap (and free) the SWA pages behind them."""
         pages = list(pages)
         if not pages:
             return
@@ -99,9 +107,11 @@ class RequestPageTable:
         return self.allocator.page_size
 
     def pages(self, request: int) -> list[int]:
+        """The request's pages in token order (KeyError for an unknown request)."""
         return self._pages[request]
 
     def capacity(self, request: int) -> int:
+        """Positions the request's reserved pages hold (0 for an unknown request)."""
         return len(self._pages.get(request, ())) * self.page_size
 
     def reserve(self, request: int, num_tokens: int) -> None:
@@ -112,6 +122,7 @@ class RequestPageTable:
             pages.extend(self.allocator.alloc(need))
 
     def slots(self, request: int, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Full-pool slots of ``positions``; a position beyond the reservation raises ``CacheLocationError``."""
         pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         pages = torch.tensor(self._pages.get(request, []), dtype=torch.int64)
         if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= pages.numel() * self.page_size):
@@ -123,9 +134,11 @@ class RequestPageTable:
         return pages[torch.div(pos, ps, rounding_mode="floor")] * ps + pos % ps
 
     def release(self, request: int) -> None:
+        """Free all of the request's pages (no-op for an unknown request)."""
         self.allocator.free(self._pages.pop(request, []))
 
     def table(self, requests: Sequence[int]) -> list[list[int]]:
+        """Page lists of ``requests``, the ragged block table ``build_metadata`` takes."""
         return [list(self._pages.get(r, [])) for r in requests]
 
     def __contains__(self, request: int) -> bool:

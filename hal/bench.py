@@ -57,6 +57,7 @@ class Measurement:
     met: bool | None = None
 
     def cells(self) -> list[str]:
+        """The row's cells in ``HEADER`` order."""
         met = "" if self.met is None else ("yes" if self.met else "**no**")
         return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", self.ratio_of, self.target, met]
 
@@ -87,6 +88,7 @@ class BenchConfig:
 
     @classmethod
     def quick(cls) -> BenchConfig:
+        """Small shapes and few repeats, for smoke runs."""
         return cls(decode_batch=2, decode_kv_len=256, extend_len=128, write_tokens=512, repeats=5, warmup=1)
 
 

@@ -618,13 +618,16 @@ class LoopConfig:
 
     @property
     def tokens_per_request(self) -> int:
+        """Query tokens per request of the verify and draft-extend forwards."""
         return self.draft_steps + 1
 
     @property
     def verify_mode(self) -> ForwardMode:
+        """TARGET_VERIFY with draft steps, plain DECODE without."""
         return ForwardMode.TARGET_VERIFY if self.draft_steps else ForwardMode.DECODE
 
     def target_layers(self) -> tuple[LayerSpec, ...]:
+        """One full and one SWA (with sinks) target layer."""
         scale = self.head_dim**-0.5
         return (
             LayerSpec(0, self.q_heads, self.full_kv_heads, self.head_dim, self.v_head_dim, scale),
@@ -632,6 +635,7 @@ class LoopConfig:
         )
 
     def draft_layers(self) -> tuple[LayerSpec, ...]:
+        """One SWA layer per draft step (the MTP blocks)."""
         scale = self.head_dim**-0.5
         return tuple(
             LayerSpec(2 + s, self.q_heads, self.swa_kv_heads, self.head_dim, self.v_head_dim, scale, self.window, True)
@@ -639,6 +643,7 @@ class LoopConfig:
         )
 
     def layers(self) -> tuple[LayerSpec, ...]:
+        """Target layers, then draft layers (pool layer ids 0..n-1)."""
         return self.target_layers() + self.draft_layers()
 
 

@@ -68,6 +68,7 @@ def capture_span() -> Iterator[list[tuple[Any, Any]]]:
 
 
 def is_capturing() -> bool:
+    """Whether this thread is inside ``capture_span()`` (kernels must then not read device values on the host)."""
     return getattr(_state, "calls", None) is not None
 
 

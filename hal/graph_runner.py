@@ -92,6 +92,7 @@ class GraphRunner:
 
     @property
     def max_batch_size(self) -> int:
+        """The largest captured batch size."""
         return self.batch_sizes[-1]
 
     def padded_batch_size(self, batch_size: int) -> int | None:

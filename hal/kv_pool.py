@@ -85,10 +85,12 @@ class SplitKVPool:
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:
+        """Every layer's K view, indexed by layer id."""
         return list(self._k_views)
 
     @property
     def v_buffers(self) -> list[torch.Tensor]:
+        """Every layer's V view, indexed by layer id."""
         return list(self._v_views)
 
     def sub_pool_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -96,10 +98,12 @@ class SplitKVPool:
         return {name: (self._k[name], self._v[name]) for name in self._k}
 
     def is_swa_layer(self, layer: int) -> bool:
+        """Whether the layer lives in the SWA sub-pool."""
         self._check_layer(layer)
         return self._where[layer][0] == "swa"
 
     def bytes_per_token(self) -> int:
+        """K + V bytes one token takes, summed over all layers."""
         return self.spec.bytes_per_token()
 
     def num_slots(self, layer: int) -> int:
@@ -126,6 +130,7 @@ class SplitKVPool:
         self.full_to_swa_page[full_pages] = swa_pages
 
     def unmap_swa_pages(self, full_pages: torch.Tensor) -> None:
+        """Drop the SWA backing of full pages (called by the allocator on free)."""
         if self.full_to_swa_page is None:
             raise KVLayoutError("unmap_swa_pages: this pool has no SWA part")
         full_pages = torch.as_tensor(full_pages, dtype=torch.int64, device=self.device).reshape(-1)

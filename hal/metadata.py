@@ -103,10 +103,12 @@ class AttentionMetadata:
 
     @property
     def batch_size(self) -> int:
+        """Requests this metadata describes (padding rows of a padded batch included)."""
         return len(self.kv_lens_cpu)
 
     @property
     def num_tokens(self) -> int:
+        """Packed query tokens (rows of q, k and v)."""
         return sum(self.q_lens_cpu)
 
     @property

@@ -40,6 +40,7 @@ _DEVICE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::(\d+))?$")
 
 @attrs.frozen
 class BackendInfo:
+    """One row of ``list_backends()``: where a device type comes from and whether it can run here."""
     device_type: str
     target: str  # "module:Class" or a class's qualname
     source: str  # builtin / entry point / registered
@@ -99,6 +100,7 @@ def unregister_backend(device_type: str) -> None:
 
 
 def registered_device_types() -> list[str]:
+    """Every registered device type (builtin, entry points, run-time registrations), sorted."""
     with _lock:
         _load_entry_points()
         return sorted(_entries)
@@ -213,6 +215,7 @@ def list_backends() -> list[BackendInfo]:
 
 
 def iter_available() -> Iterator[str]:
+    """Device types whose probe says they can run on this machine."""
     for info in list_backends():
         if info.availability.available:
             yield info.device_type

@@ -38,18 +38,23 @@ class ForwardMode(enum.IntEnum):
         return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 
     def is_decode(self) -> bool:
+        """One new token per request."""
         return self is ForwardMode.DECODE
 
     def is_target_verify(self) -> bool:
+        """The target model over the ``S + 1`` verify tokens per request."""
         return self is ForwardMode.TARGET_VERIFY
 
     def is_draft_extend_v2(self) -> bool:
+        """A draft layer over the same ``S + 1`` rows per request as the verify, fixed shape."""
         return self is ForwardMode.DRAFT_EXTEND_V2
 
     def is_idle(self) -> bool:
+        """No requests on this rank this step."""
         return self is ForwardMode.IDLE
 
     def is_decode_or_idle(self) -> bool:
+        """DECODE or IDLE."""
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
     def has_uniform_query_len(self) -> bool:
@@ -119,10 +124,12 @@ class LayerSpec:
 
     @property
     def is_swa(self) -> bool:
+        """Whether the layer attends over a sliding window."""
         return self.sliding_window is not None
 
     @property
     def group_size(self) -> int:
+        """Query heads per kv head (GQA)."""
         return self.num_q_heads // self.num_kv_heads
 
 
@@ -181,17 +188,21 @@ class KVPoolSpec:
 
     @property
     def num_pages(self) -> int:
+        """Full-pool pages, page 0 (padding) not counted."""
         return self.size // self.page_size
 
     @property
     def swa_num_pages(self) -> int:
+        """SWA sub-pool pages (0 without one), page 0 not counted."""
         return 0 if self.swa is None else self.swa.size // self.page_size
 
     def is_swa_layer(self, layer_id: int) -> bool:
+        """Whether the layer is stored in the SWA sub-pool."""
         return self.swa is not None and layer_id in self.swa.layer_ids
 
     @property
     def full_layer_ids(self) -> tuple[int, ...]:
+        """Layers stored in the full pool, ascending."""
         return tuple(i for i in range(self.num_layers) if not self.is_swa_layer(i))
 
     def layer_dims(self, layer_id: int) -> tuple[int, int, int]:

@@ -46,6 +46,7 @@ class AttentionCase:
     seed: int = 0
 
     def describe(self) -> str:
+        """A short label of the case for reports."""
         lay = self.layer
         parts = [
             self.mode.name,
