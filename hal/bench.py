@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from hal.allocator import KVAllocator, RequestPageTable
-from hal.errors import UnsupportedConfigError
+from hal.errors import ResultMismatchError, UnsupportedConfigError
 from hal.metadata import build_metadata
 from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
@@ -298,7 +298,7 @@ def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
     for name, fn in baselines.items():  # every baseline computes the same attention as the paged kernel
         got = fn().float().cpu()
         if not torch.allclose(got, expect, atol=atol, rtol=atol):
-            raise AssertionError(f"dense baseline {name!r} disagrees with the paged kernel by {float((got - expect).abs().max()):.3g}")
+            raise ResultMismatchError(f"dense baseline {name!r} disagrees with the paged kernel by {float((got - expect).abs().max()):.3g}")
     best, dense = _fastest(s.backend, baselines)
     pt = time_pair(s.backend, paged, dense, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
     t_paged, t_dense, ratio = pt.a, pt.b, pt.a_over_b
@@ -432,7 +432,7 @@ def bench_speculative(backend_device: str, emulate: bool, quick: bool) -> list[M
         base.append(plain.generate(prompts, new_tokens))
         fast.append(spec.generate(prompts, new_tokens))
     if any(r.tokens != base[0].tokens for r in base + fast):
-        raise AssertionError("speculative output differs from plain greedy output")
+        raise ResultMismatchError("speculative output differs from plain greedy output")
     b = statistics.median(r.tokens_per_second for r in base)
     f = statistics.median(r.tokens_per_second for r in fast)
     return [Measurement(f"MTP S=3 decode, tiny MiMo, batch {batch} (accept {fast[0].mean_accept_length:.2f})", f, b,

@@ -45,3 +45,7 @@ class GraphError(HalError, RuntimeError):
 
 class BatchTooLargeError(GraphError, ValueError):
     """A batch is larger than every captured graph and eager fallback is off."""
+
+
+class ResultMismatchError(HalError, AssertionError):
+    """A backend computed something other than the reference (``hal bench`` will not time it)."""

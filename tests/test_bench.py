@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 
-from backends.cpu import CpuBackend
+from backends.cpu import CpuAttention, CpuBackend
 from hal.bench import BenchConfig, Measurement, bench_memory, markdown_table, run_benchmarks, time_pair, write_outputs
 
 TINY = attrs.evolve(BenchConfig.quick(), decode_batch=2, decode_kv_len=160, extend_len=96, write_tokens=256,
@@ -124,6 +124,38 @@ def test_bench_unwritable_out_fails_in_one_line_before_timing(tmp_path: Path, ca
     assert main(["bench", "--quick", "--out", str(blocker / "out")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("hal bench: ") and str(blocker) in err and "\n" not in err
+
+
+class _HalfAttention(CpuAttention):
+    """Returns half the right output."""
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return super().forward(*args, **kwargs) / 2
+
+
+class _WrongAttentionBackend(CpuBackend):
+    device_type = "wrongattn"
+
+    def create_attention(self, pool):  # type: ignore[no-untyped-def]
+        return _HalfAttention(pool)
+
+
+def test_bench_refuses_to_time_a_kernel_that_disagrees_with_the_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hal
+    import hal.bench
+    from hal.cli import main
+
+    monkeypatch.setattr(hal.bench.BenchConfig, "quick", classmethod(lambda cls: TINY))
+    hal.register_backend("wrongattn", _WrongAttentionBackend)
+    try:
+        assert main(["bench", "--quick", "--device", "wrongattn", "--out", str(tmp_path)]) == 1
+    finally:
+        hal.unregister_backend("wrongattn")
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hal bench: ResultMismatchError: dense baseline") and "\n" not in err
+    assert not (tmp_path / "results.md").exists()
 
 
 def test_dense_baselines_compute_the_paged_result() -> None:
