@@ -174,9 +174,13 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
             )
         key = (device_type, index, emulate)
         if key in _instances:
-            if emulate and not _probe(type(_instances[key])).available:
-                type(_instances[key]).install_emulation()  # its stand-in was uninstalled since (tests do)
-            return _instances[key]  # type: ignore[no-any-return]
+            cached = _instances[key]
+            if _probe(type(cached)).available:
+                return cached  # type: ignore[no-any-return]
+            if emulate:
+                type(cached).install_emulation()  # its stand-in was uninstalled since (tests do)
+                return cached  # type: ignore[no-any-return]
+            del _instances[key]  # the runtime it was built on has gone (e.g. an emulator uninstalled)
         cls = _resolve_class(device_type)
         if emulate:
             install = getattr(cls, "install_emulation", None)

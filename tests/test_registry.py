@@ -276,6 +276,22 @@ def test_emulation_is_installed_only_when_asked(isolated) -> None:
     assert hal.get_backend("emu:1", emulate=True) is be and emu.installs == 1
 
 
+def test_a_cached_backend_whose_runtime_went_away_is_not_returned(isolated) -> None:
+    """Built while its runtime was there (an emulator installed by an earlier emulate=True call),
+    then the runtime goes: the plain lookup raises instead of handing out the stale instance,
+    and a later emulate=True lookup reinstalls its stand-in."""
+    emu = with_emulation(fake_backend("Emu", available=False, reason="no hardware"))
+    hal.register_backend("emu", emu)
+    emulated = hal.get_backend("emu", emulate=True)
+    plain = hal.get_backend("emu")  # the emulator is installed now, so the plain lookup works
+    assert type(plain) is emu and hal.get_backend("emu") is plain
+    emu.available = False  # the stand-in is uninstalled
+    with pytest.raises(BackendUnavailableError, match="no hardware"):
+        hal.get_backend("emu")
+    assert hal.get_backend("emu", emulate=True) is emulated and emu.installs == 2
+    assert hal.get_backend("emu") is not plain  # rebuilt on the reinstalled runtime
+
+
 def test_auto_picks_the_first_available_in_order(isolated) -> None:
     npu = fake_backend("FakeNpu", available=False, reason="no npu here")
     cuda = fake_backend("FakeCuda")
