@@ -355,6 +355,9 @@ def test_an_update_thread_exception_surfaces_from_replay(npu: NpuBackend, monkey
     with pytest.raises(GraphError, match="injected update failure") as info:
         runner.run(x, md)
     assert isinstance(info.value.__cause__, ValueError)
+    monkeypatch.undo()  # the update works again: the same graph replays correctly
+    x, md = model.batch(ForwardMode.DECODE, {0: 11})
+    torch.testing.assert_close(runner.run(x, md).float(), model(x, md).float(), atol=0, rtol=0)
 
 
 def test_per_request_query_lengths_are_rejected_on_update(npu: NpuBackend, monkeypatch: pytest.MonkeyPatch) -> None:
