@@ -199,7 +199,7 @@ def build_metadata(
     swa_table = None
     if pool is not None and pool.spec.swa is not None:
         swa_table = pool.swa_block_table(table_d)
-    return AttentionMetadata(
+    metadata = AttentionMetadata(
         mode=mode,
         page_size=page_size,
         kv_lens_cpu=kv,
@@ -212,6 +212,20 @@ def build_metadata(
         block_table=table_d,
         swa_block_table=swa_table,
     )
+    _check_distinct_slots(loc, page_size)
+    return metadata
+
+
+def _check_distinct_slots(loc: torch.Tensor, page_size: int) -> None:
+    """Two new tokens written to one slot would leave whichever the kernel happens to write last;
+    only page 0, the padding page, takes any number of writes."""
+    real = loc[loc >= page_size]
+    if real.numel() < 2:
+        return
+    slots, counts = torch.unique(real, return_counts=True)
+    if bool((counts > 1).any()):
+        slot = int(slots[counts > 1][0])
+        raise SpecError(f"build_metadata: out_cache_loc writes slot {slot} more than once (only padding page 0 may repeat)")
 
 
 def pad_metadata(

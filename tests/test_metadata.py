@@ -155,6 +155,15 @@ def test_page_ids_beyond_the_pool_are_rejected() -> None:
         build_metadata(M.EXTEND, kv_lens=[4, 4], q_lens=[1, 1], page_table=[[3], [4]], out_cache_loc=[0, 1], pool=pool)
 
 
+def test_a_slot_written_twice_is_rejected_but_the_padding_page_may_repeat() -> None:
+    common = dict(kv_lens=[3, 3], q_lens=[1, 1], page_table=[[1], [2]], page_size=4)
+    with pytest.raises(SpecError, match="writes slot 6 more than once"):
+        build_metadata(ForwardMode.DECODE, out_cache_loc=[6, 6], **common)
+    md = build_metadata(ForwardMode.DECODE, out_cache_loc=[0, 0], **common)  # two padded rows
+    assert md.out_cache_loc.tolist() == [0, 0]
+    assert build_metadata(ForwardMode.DECODE, out_cache_loc=[6, 10], **common).out_cache_loc.tolist() == [6, 10]
+
+
 def test_metadata_constructor_checks_tensor_shapes() -> None:
     good = _md().tensors()
     for name, bad in [
