@@ -310,7 +310,7 @@ def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
 def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]] | None:
     """(forward through hal, the same ops called directly, metadata build) for one decode step."""
     from backends.cpu.attention import CpuAttention, GatherWorkspace, paged_attention
-    from hal.kv_pool import _wide_rows
+    from hal.kv_pool import copy_rows
 
     c, layer = s.cfg, s.layer()
     lengths = [kv_len] * batch
@@ -328,11 +328,7 @@ def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any
 
     md = metadata()
     kb, vb = pool.k_buffer(0), pool.v_buffer(0)
-    # The very row copies set_kv makes (rows as wide elements), views made once.
-    k_rows, v_rows = (_wide_rows(t) for t in (kb.view(-1, c.kv_heads, c.head_dim), vb.view(-1, c.kv_heads, c.v_head_dim)))
-    k_src, v_src = _wide_rows(k), _wide_rows(v)
-    if k_rows is None or v_rows is None or k_src is None or v_src is None:
-        return None
+    kflat, vflat = kb.view(-1, c.kv_heads, c.head_dim), vb.view(-1, c.kv_heads, c.v_head_dim)
     loc_d = loc.to(s.device)
     workspace = GatherWorkspace()
 
@@ -340,8 +336,8 @@ def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any
         attn.forward(q, k, v, layer, md)
 
     def direct() -> None:
-        k_rows.index_copy_(0, loc_d, k_src)
-        v_rows.index_copy_(0, loc_d, v_src)
+        copy_rows(kflat, loc_d, k)  # the row copy set_kv makes, without its validation and routing
+        copy_rows(vflat, loc_d, v)
         paged_attention(q, kb, vb, md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling, workspace=workspace)
 
     return through_hal, direct, metadata
