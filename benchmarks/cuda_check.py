@@ -3,7 +3,7 @@
     python benchmarks/cuda_check.py            # conformance + timings
     python benchmarks/cuda_check.py --quick    # fewer conformance cases and sizes
 
-1. Conformance: the ``hal.testing`` cases (every forward mode, sinks, SWA, hybrid SWA pool, GQA,
+1. Conformance: the ``hal.tools.testing`` cases (every forward mode, sinks, SWA, hybrid SWA pool, GQA,
    qk != v and non-power-of-two dims, pages 16 and 64, fp32 / fp16 / bf16) run natively and are
    compared with the CPU reference.
 2. Attention: the Triton paged kernel vs dense ``scaled_dot_product_attention`` over the same K/V
@@ -36,7 +36,7 @@ from hal.allocator import KVAllocator, RequestPageTable  # noqa: E402
 from hal.errors import BackendUnavailableError  # noqa: E402
 from hal.metadata import build_metadata  # noqa: E402
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec  # noqa: E402
-from hal.testing import run_attention_case, standard_attention_cases  # noqa: E402
+from hal.tools.testing import run_attention_case, standard_attention_cases  # noqa: E402
 
 
 def _backend(emulate: bool) -> hal.Backend:

@@ -17,37 +17,23 @@ import sys
 
 import torch
 
-from speculative import demo
-from speculative.distill import DistillConfig, distill
-from speculative.model import TinyConfig, TinyMiMo
+from hal.tools import demo
+from hal.tools.cli import add_demo_options
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    demo.add_arguments(parser)
+    add_demo_options(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8], help="batch sizes to compare")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each decoder per batch size")
     parser.set_defaults(max_new_tokens=192)
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
-    report = distill(model, DistillConfig(steps=args.train_steps, num_sequences=args.train_sequences), use_cache=not args.no_cache)
-    largest = max(args.batch_sizes)
-    plain, spec, kv_dtype = demo.build_engines(
-        model,
-        args.device,
-        args.num_steps,
-        args.kv_dtype,
-        emulate=args.emulate,
-        page_size=args.page_size,
-        max_batch_size=largest,
-        max_seq_len=16 + 3 * largest + args.max_new_tokens + args.num_steps + 1,
-    )
+    built = demo.setup(args, max(args.batch_sizes))
+    model, plain, spec = built.model, built.plain, built.spec
     print(
-        f"backend {spec.backend_name}, KV {str(kv_dtype).replace('torch.', '')}, pages of {args.page_size}, "
+        f"backend {spec.backend_name}, KV {str(built.kv_dtype).replace('torch.', '')}, pages of {args.page_size}, "
         f"S={args.num_steps}, {args.max_new_tokens} new tokens per request, {args.repeats} alternating runs, "
-        f"torch threads {torch.get_num_threads()}, MTP {'cached' if report.from_cache else 'trained'}"
+        f"torch threads {torch.get_num_threads()}, MTP {'cached' if built.report.from_cache else 'trained'}"
     )
     print("| batch | plain greedy tok/s | MTP tok/s | speedup | accept length | target forwards (plain / MTP) |")
     print("|---|---|---|---|---|---|")

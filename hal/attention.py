@@ -1,72 +1,104 @@
-"""Checks every attention kernel runs before touching the cache (one place, all backends)."""
+"""``AttentionKernelBase``: the attention-kernel template every backend fills in.
+
+``forward`` is written once, here, in the order that keeps a refused call harmless:
+
+1. ``validate_attention_call``: shapes, dtypes, devices and SWA routing of every argument;
+2. ``check_supported``: the backend's own limits (``UnsupportedConfigError``), before any write;
+3. ``pool.set_kv``: the new K/V (when ``save_kv_cache``);
+4. ``_attend``: the hardware-specific part, over the paged cache.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import torch
 
-from hal.errors import KVLayoutError, SpecError
+from hal.graph import record_updatable_call
 from hal.metadata import AttentionMetadata
 from hal.protocols import KVPool
 from hal.spec import LayerSpec
+from hal.validation import validate_attention_call
 
 
-def validate_attention_call(
-    pool: KVPool,
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    layer: LayerSpec,
-    metadata: AttentionMetadata,
-    sinks: torch.Tensor | None,
-) -> None:
-    """Raise a typed error naming the first argument that does not fit ``layer`` and ``pool``."""
-    t = metadata.num_tokens
-    heads, dk, dv = pool.spec.layer_dims(layer.layer_id)
-    if (heads, dk, dv) != (layer.num_kv_heads, layer.head_dim, layer.v_head_dim):
-        raise KVLayoutError(
-            f"layer {layer.layer_id}: LayerSpec has (kv_heads, head_dim, v_head_dim)="
-            f"{(layer.num_kv_heads, layer.head_dim, layer.v_head_dim)} but the pool stores {(heads, dk, dv)}"
-        )
-    if tuple(q.shape) != (t, layer.num_q_heads, layer.head_dim):
-        raise SpecError(
-            f"layer {layer.layer_id}: q has shape {tuple(q.shape)}, expected "
-            f"({t}, {layer.num_q_heads}, {layer.head_dim})"
-        )
-    for name, x, d in (("k", k, layer.head_dim), ("v", v, layer.v_head_dim)):
-        if x is not None and tuple(x.shape) != (t, layer.num_kv_heads, d):
-            raise SpecError(
-                f"layer {layer.layer_id}: {name} has shape {tuple(x.shape)}, expected ({t}, {layer.num_kv_heads}, {d})"
-            )
-    if q.dtype != pool.spec.dtype:
-        raise KVLayoutError(f"layer {layer.layer_id}: q has dtype {q.dtype}, the KV pool stores {pool.spec.dtype}")
-    if layer.has_sinks != (sinks is not None):
-        raise SpecError(
-            f"layer {layer.layer_id}: has_sinks={layer.has_sinks} but sinks were "
-            f"{'given' if sinks is not None else 'not given'}"
-        )
-    if sinks is not None and tuple(sinks.shape) != (layer.num_q_heads,):
-        raise SpecError(
-            f"layer {layer.layer_id}: sinks have shape {tuple(sinks.shape)}, expected ({layer.num_q_heads},)"
-        )
-    if pool.is_swa_layer(layer.layer_id):
-        if layer.sliding_window is None:
-            raise SpecError(
-                f"layer {layer.layer_id} lives in the SWA sub-pool but LayerSpec.sliding_window is None"
-            )
-        if metadata.swa_block_table is None:
-            raise SpecError(
-                f"layer {layer.layer_id} is an SWA-pool layer but the metadata has no swa_block_table "
-                "(build it with build_metadata(..., pool=pool))"
-            )
-    if metadata.page_size != pool.spec.page_size:
-        raise SpecError(
-            f"metadata.page_size={metadata.page_size} but the pool's page_size is {pool.spec.page_size}"
+class AttentionKernelBase:
+    """Base class of ``AttentionKernel`` implementations; override ``_attend`` (and, where the
+    hardware has limits or host-side op arguments, ``check_supported`` and ``updatable_params``).
+
+    Threading: a kernel object may hold per-call scratch; give each thread its own kernel.
+    """
+
+    #: KV length of a padded request in a padded graph batch (1: it sees slot 0 of the padding page).
+    seq_len_fill_value: int = 1
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_q_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, v_head_dim]
+        layer: LayerSpec,
+        metadata: AttentionMetadata,
+        save_kv_cache: bool = True,
+        *,
+        sinks: torch.Tensor | None = None,  # [num_q_heads], when layer.has_sinks
+    ) -> torch.Tensor:  # [T, num_q_heads, v_head_dim]
+        """Validate, check support, write the new K/V, then attend over the paged cache."""
+        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks)
+        self.check_supported(layer, metadata)
+        if save_kv_cache:
+            self.pool.set_kv(layer.layer_id, metadata.out_cache_loc, k, v)
+        return self._attend(q, layer, metadata, sinks)
+
+    def check_supported(self, layer: LayerSpec, metadata: AttentionMetadata) -> None:
+        """Raise ``UnsupportedConfigError`` for a layer or batch the hardware op cannot run."""
+
+    def _attend(
+        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of ``q`` over the layer's paged cache (the new K/V already written)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _attend")
+
+    def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
+        """Host-side arguments of one captured op for ``metadata``; kernels reading only device
+        tensors (the default) have none, since the runner refreshes those tensors in place."""
+        return {}
+
+    def record_updatable_call(self, layer: LayerSpec) -> None:
+        """Call once per op with host-side arguments, where it is issued (a no-op outside a capture)."""
+        record_updatable_call(self, layer)
+
+    def _paged(
+        self,
+        paged_attention: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        layer: LayerSpec,
+        metadata: AttentionMetadata,
+        sinks: torch.Tensor | None,
+        **options: Any,
+    ) -> torch.Tensor:
+        """Call a kernel with ``hal.reference.paged_attention``'s signature on this layer's sub-pool:
+        ``paged_attention(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, scaling=...,
+        sliding_window=..., sinks=..., **options)``."""
+        return paged_attention(
+            q,
+            self.pool.k_buffer(layer.layer_id),
+            self.pool.v_buffer(layer.layer_id),
+            self.block_table(layer, metadata),
+            metadata.kv_lens,
+            metadata.cu_q_lens,
+            scaling=layer.scaling,
+            sliding_window=layer.sliding_window,
+            sinks=sinks,
+            **options,
         )
 
-
-def block_table_for(pool: KVPool, layer: LayerSpec, metadata: AttentionMetadata) -> torch.Tensor:
-    """The block table addressing this layer's sub-pool."""
-    if pool.is_swa_layer(layer.layer_id):
-        assert metadata.swa_block_table is not None
-        return metadata.swa_block_table
-    return metadata.block_table
+    def block_table(self, layer: LayerSpec, metadata: AttentionMetadata) -> torch.Tensor:
+        """The block table addressing ``layer``'s sub-pool (the SWA table for SWA-pool layers)."""
+        if self.pool.is_swa_layer(layer.layer_id):
+            assert metadata.swa_block_table is not None  # validate_attention_call checked it
+            return metadata.swa_block_table
+        return metadata.block_table

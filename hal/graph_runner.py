@@ -116,7 +116,7 @@ class GraphRunner:
             )
             inputs = {name: buf[: bs * tpr] for name, buf in self._static_inputs.items()}
             graph = self.backend.create_graph()
-            outputs = graph.capture(functools.partial(self.forward, inputs, metadata), pool=memory_pool)
+            outputs = graph.capture(functools.partial(self.forward, inputs, metadata), memory_pool=memory_pool)
             self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
 
     def run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:

@@ -1,4 +1,19 @@
-"""The three protocols a backend implements, and the backend bundle that makes them."""
+"""The three protocols a backend implements, and the backend bundle that makes them.
+
+These are the types engine code holds; ``hal.sdk`` has base classes that implement them.
+
+The kernel-to-graph contract: an attention op whose captured form bakes host-side arguments
+(Ascend FIA's ``actual_seq_kvlen``) must get fresh values on every replay. While a graph captures
+(inside ``hal.graph.capture_span()``), the kernel calls ``hal.graph.record_updatable_call(kernel,
+layer)`` once per such op; the graph keeps those pairs, in capture order, as ``captured_calls``.
+Before each replay ``hal.GraphRunner`` asks each recorded kernel for
+``updatable_params(metadata, layer)`` and passes the results, one mapping per captured call, as
+``GraphUpdate.host_params``; a graph that cannot apply them refuses them (``GraphError``) rather
+than replaying stale values. Kernels that read only device tensors record nothing.
+
+Threading: a pool may be written from one thread at a time per layer; an attention kernel and a
+graph belong to one thread (kernels keep scratch buffers, graphs keep static buffers).
+"""
 
 from __future__ import annotations
 
@@ -54,7 +69,10 @@ class KVPool(Protocol):
 
 @runtime_checkable
 class AttentionKernel(Protocol):
-    """Paged attention for every forward mode (see ``hal.metadata`` for the conventions)."""
+    """Paged attention for every forward mode (see ``hal.metadata`` for the conventions).
+
+    Every argument is validated before anything is written: a refused call leaves the cache as it was.
+    """
 
     pool: KVPool
     # KV length of a padded request's first token in a padded graph batch (0 or 1 usually).
@@ -75,7 +93,8 @@ class AttentionKernel(Protocol):
         ...
 
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
-        """Host-side parameters of one captured call for ``metadata`` (empty if none)."""
+        """Host-side parameters of one captured call for ``metadata`` (empty if none): what a graph
+        update must refresh for each call this kernel recorded during capture."""
         ...
 
 
@@ -83,10 +102,14 @@ class AttentionKernel(Protocol):
 class Graph(Protocol):
     """Capture once, replay many times; ``replay(update)`` applies what changed first."""
 
+    #: (kernel, layer) of every updatable op recorded during capture, in capture order.
     captured_calls: Sequence[tuple[AttentionKernel, LayerSpec]]
 
-    def capture(self, fn: Callable[[], T], *, pool: Any = None) -> T:
-        """Capture ``fn`` (inside ``hal.graph.capture_span()``); returns its static outputs."""
+    def capture(self, fn: Callable[[], T], *, memory_pool: Any = None) -> T:
+        """Capture ``fn`` (inside ``hal.graph.capture_span()``); returns its static outputs.
+
+        ``memory_pool``: the runtime's graph memory-pool handle (``Backend.graph_memory_pool()``)
+        that graphs of one runner share; None for a private pool or where there is none."""
         ...
 
     def replay(self, update: GraphUpdate | None = None) -> None:

@@ -6,6 +6,11 @@ Third-party backends register through the entry-point group ``hal.backends``::
 
     [project.entry-points."hal.backends"]
     mydev = "my_package.backend:MyBackend"
+
+``"auto"`` tries every registered backend that declares an ``auto_priority`` (a class attribute,
+higher first; built-ins: npu 300, cuda 200, cpu 0) and returns the first available one. A backend
+without one is used only when named. Looking up priorities imports each backend's module (never
+its vendor runtime: backend modules import that lazily).
 """
 
 from __future__ import annotations
@@ -24,12 +29,11 @@ from hal.errors import BackendRegistrationError, BackendUnavailableError, Unknow
 from hal.protocols import Availability, Backend
 
 ENTRY_POINT_GROUP = "hal.backends"
-AUTO_ORDER = ("npu", "cuda", "cpu")
 
 _BUILTIN = {
-    "cpu": "backends.cpu:CpuBackend",
-    "npu": "backends.npu:NpuBackend",
-    "cuda": "backends.cuda:CudaBackend",
+    "cpu": "hal.backends.cpu:CpuBackend",
+    "npu": "hal.backends.npu:NpuBackend",
+    "cuda": "hal.backends.cuda:CudaBackend",
 }
 _INSTALL_HINT = {
     "npu": "install the Ascend extra (pip install '.[npu]') and the Ascend CANN toolkit",
@@ -45,6 +49,8 @@ class BackendInfo:
     target: str  # "module:Class" or a class's qualname
     source: str  # builtin / entry point / registered
     availability: Availability
+    collective_backend: str = "-"  # hccl / nccl / gloo; "-" when the class cannot be imported
+    auto_priority: int | None = None  # where "auto" tries it (higher first); None: never
 
 
 @attrs.define
@@ -106,7 +112,11 @@ def registered_device_types() -> list[str]:
         return sorted(_entries)
 
 
-def _resolve_class(device_type: str) -> type:
+def backend_class(device_type: str) -> type:
+    """The class registered for ``device_type``, imported (its module, not its vendor runtime)."""
+    device_type = device_type.lower()
+    if device_type not in _entries:
+        raise UnknownDeviceError(f"unknown device type {device_type!r}: registered device types are {sorted(_entries)}")
     entry = _entries[device_type]
     if isinstance(entry.target, type):
         return entry.target
@@ -160,9 +170,7 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
             if emulate:
                 raise UnknownDeviceError("'auto' cannot be emulated: name the device to emulate, e.g. 'npu'")
             reasons = []
-            for candidate in AUTO_ORDER:
-                if candidate not in _entries:
-                    continue
+            for candidate in auto_order():
                 try:
                     return get_backend(candidate)
                 except BackendUnavailableError as exc:
@@ -181,7 +189,7 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
                 type(cached).install_emulation()  # its stand-in was uninstalled since (tests do)
                 return cached  # type: ignore[no-any-return]
             del _instances[key]  # the runtime it was built on has gone (e.g. an emulator uninstalled)
-        cls = _resolve_class(device_type)
+        cls = backend_class(device_type)
         if emulate:
             install = getattr(cls, "install_emulation", None)
             if install is None:
@@ -202,8 +210,38 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
         return instance  # type: ignore[no-any-return]
 
 
+def _auto_priority(cls: type) -> int | None:
+    priority = getattr(cls, "auto_priority", None)
+    return priority if isinstance(priority, int) and not isinstance(priority, bool) else None
+
+
+def auto_order() -> list[str]:
+    """Device types ``"auto"`` tries, highest ``auto_priority`` first (ties by name); backends whose
+    module cannot be imported, or that declare no priority, are left out."""
+    with _lock:
+        _load_entry_points()
+        ranked = []
+        for device_type in sorted(_entries):
+            try:
+                priority = _auto_priority(backend_class(device_type))
+            except BackendUnavailableError:
+                continue
+            if priority is not None:
+                ranked.append((-priority, device_type))
+        return [device_type for _, device_type in sorted(ranked)]
+
+
+def has_emulator(device_type: str) -> bool:
+    """Whether the backend for ``device_type`` offers a CPU emulator (``install_emulation()``)."""
+    try:
+        return callable(getattr(backend_class(device_type), "install_emulation", None))
+    except (BackendUnavailableError, UnknownDeviceError):
+        return False
+
+
 def list_backends() -> list[BackendInfo]:
-    """Every registered backend with its availability (imports each backend module, not its runtime)."""
+    """Every registered backend with its availability, from each class's cheap ``probe()``
+    (imports each backend module, never a vendor runtime)."""
     with _lock:
         _load_entry_points()
         out = []
@@ -211,10 +249,12 @@ def list_backends() -> list[BackendInfo]:
             entry = _entries[device_type]
             target = entry.target if isinstance(entry.target, str) else entry.target.__qualname__
             try:
-                availability = _probe(_resolve_class(device_type))
+                cls = backend_class(device_type)
             except BackendUnavailableError as exc:
-                availability = Availability(False, str(exc))
-            out.append(BackendInfo(device_type, target, entry.source, availability))
+                out.append(BackendInfo(device_type, target, entry.source, Availability(False, str(exc))))
+                continue
+            out.append(BackendInfo(device_type, target, entry.source, _probe(cls),
+                                   str(getattr(cls, "collective_backend", "-")), _auto_priority(cls)))
         return out
 
 

@@ -1,6 +1,6 @@
 """Multi-layer EAGLE (MTP) speculative decoding on hal, with a tiny MiMo-V2-style model.
 
-    from speculative import MultiLayerEagleWorker, GreedyDecoder, TinyConfig, TinyMiMo, distill
+    from hal.speculative import MultiLayerEagleWorker, GreedyDecoder, TinyConfig, TinyMiMo, distill
     model = TinyMiMo(TinyConfig()); distill(model)
     spec = MultiLayerEagleWorker(model, "cpu", num_steps=3)     # any hal device string
     print(spec.generate([[1, 2, 3]], 32).tokens)
@@ -8,9 +8,10 @@
 Nothing here branches on the device: pools, kernels and graphs come from ``hal.get_backend``.
 """
 
-from speculative.distill import DistillConfig, distill
-from speculative.model import TinyConfig, TinyMiMo
-from speculative.worker import GenerationResult, GreedyDecoder, MultiLayerEagleWorker
+from hal.speculative.distill import DistillConfig, distill
+from hal.speculative.model import TinyConfig, TinyMiMo
+from hal.speculative.engine import GenerationResult, GreedyDecoder
+from hal.speculative.mtp import MultiLayerEagleWorker
 
 __all__ = [
     "DistillConfig",

@@ -6,7 +6,7 @@ predict ``token[p + k + 2]`` of the target's greedy continuation. The target is 
 its own greedy output (generated through hal on the CPU backend), so a perfect MTP block would be
 accepted every time.
 
-Training uses hal's reference attention math (``backends.cpu.paged_attention``, differentiable)
+Training uses hal's reference attention math (``hal.reference.paged_attention``, differentiable)
 over equal-length sequences, so window, sink and masking semantics are the ones inference uses.
 Trained weights are cached under ``<tmp>/hal-mtp-cache`` keyed by the model config (seed
 included), a fingerprint of the target weights and the training settings.
@@ -25,10 +25,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from backends.cpu.attention import paged_attention
+from hal.reference import paged_attention
 from hal.errors import SpecError
 from hal.spec import LayerSpec
-from speculative.model import TinyMiMo
+from hal.speculative.model import TinyMiMo
 
 CACHE_FORMAT = 1
 Progress = Callable[[str, int, int, float | None], None]  # (phase, done, total, loss)
@@ -114,7 +114,7 @@ def greedy_sequences(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, seq_len]`` random prompts followed by the target's greedy continuation (decoded through
     hal on the CPU backend), and the prompt lengths."""
-    from speculative.worker import GreedyDecoder
+    from hal.speculative.engine import GreedyDecoder
 
     num = config.num_sequences if num is None else num
     rng = random.Random(config.seed * 1_000_003 + seed_offset)

@@ -12,8 +12,9 @@ import attrs
 import pytest
 import torch
 
-from backends.cpu import CpuAttention, CpuBackend
-from hal.bench import BenchConfig, Measurement, bench_memory, markdown_table, run_benchmarks, time_pair, write_outputs
+from hal.backends.cpu import CpuBackend
+from hal.backends.cpu.attention import CpuAttention
+from hal.tools.bench import BenchConfig, Measurement, bench_memory, markdown_table, run_benchmarks, time_pair, write_outputs
 
 TINY = attrs.evolve(BenchConfig.quick(), decode_batch=2, decode_kv_len=160, extend_len=96, write_tokens=256,
                     q_heads=8, kv_heads=2, repeats=2, warmup=1, min_sample_s=0.0)
@@ -43,7 +44,7 @@ def test_paired_ratio_is_the_median_of_per_pair_ratios(monkeypatch) -> None:
     """On a fake clock with hand-picked durations: pairs (2, 1), (30, 10), (4, 4) after one
     calibration call each give per-pair ratios 2, 3, 1, so the paired ratio is 2 where the ratio
     of the medians (4 / 4) would be 1."""
-    import hal.bench as bench
+    import hal.tools.bench as bench
 
     now = [0.0]
     monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
@@ -99,10 +100,10 @@ def test_targets_are_judged_from_the_ratio() -> None:
 
 
 def test_bench_command_writes_results(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import hal.bench
-    from hal.cli import main
+    import hal.tools.bench
+    from hal.tools.cli import main
 
-    monkeypatch.setattr(hal.bench.BenchConfig, "quick", classmethod(lambda cls: TINY))
+    monkeypatch.setattr(hal.tools.bench.BenchConfig, "quick", classmethod(lambda cls: TINY))
     assert main(["bench", "--quick", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "| benchmark |" in out
@@ -112,13 +113,13 @@ def test_bench_command_writes_results(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_bench_unwritable_out_fails_in_one_line_before_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import hal.bench
-    from hal.cli import main
+    import hal.tools.bench
+    from hal.tools.cli import main
 
     def no_timing(*args, **kwargs):
         raise AssertionError("benchmarks ran before the output directory was checked")
 
-    monkeypatch.setattr(hal.bench, "run_benchmarks", no_timing)
+    monkeypatch.setattr(hal.tools.bench, "run_benchmarks", no_timing)
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main(["bench", "--quick", "--out", str(blocker / "out")]) == 1
@@ -144,10 +145,10 @@ def test_bench_refuses_to_time_a_kernel_that_disagrees_with_the_baseline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import hal
-    import hal.bench
-    from hal.cli import main
+    import hal.tools.bench
+    from hal.tools.cli import main
 
-    monkeypatch.setattr(hal.bench.BenchConfig, "quick", classmethod(lambda cls: TINY))
+    monkeypatch.setattr(hal.tools.bench.BenchConfig, "quick", classmethod(lambda cls: TINY))
     hal.register_backend("wrongattn", _WrongAttentionBackend)
     try:
         assert main(["bench", "--quick", "--device", "wrongattn", "--out", str(tmp_path)]) == 1
@@ -159,7 +160,7 @@ def test_bench_refuses_to_time_a_kernel_that_disagrees_with_the_baseline(
 
 
 def test_dense_baselines_compute_the_paged_result() -> None:
-    from hal.bench import _dense_baselines
+    from hal.tools.bench import _dense_baselines
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 1, 24), torch.randn(2, 2, 40, 24), torch.randn(2, 2, 40, 16)

@@ -11,8 +11,11 @@ import pytest
 import torch
 
 import hal
-from backends.cpu import CpuAttention, CpuBackend, CpuKVPool, EagerGraph
-from hal.conformance import (
+from hal.backends.cpu import CpuBackend
+from hal.backends.cpu.attention import CpuAttention
+from hal.backends.cpu.kv_pool import CpuKVPool
+from hal.graph import EagerGraph
+from hal.tools.conformance import (
     Check,
     CheckResult,
     Status,
@@ -280,7 +283,7 @@ def broken_device() -> Iterator[str]:
 
 
 def test_cli_prints_the_table_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    from hal.cli import main
+    from hal.tools.cli import main
 
     assert main(["conformance", "--device", "cpu", "--quick", "-k", "kv pool"]) == 0
     out = capsys.readouterr().out
@@ -288,7 +291,7 @@ def test_cli_prints_the_table_and_exits_zero(capsys: pytest.CaptureFixture[str])
 
 
 def test_cli_exits_nonzero_on_a_failure(capsys: pytest.CaptureFixture[str], broken_device: str) -> None:
-    from hal.cli import main
+    from hal.tools.cli import main
 
     assert main(["conformance", "--device", broken_device, "-k", "round trip"]) == 1
     out = capsys.readouterr().out
@@ -296,7 +299,7 @@ def test_cli_exits_nonzero_on_a_failure(capsys: pytest.CaptureFixture[str], brok
 
 
 def test_cli_unknown_device_is_one_line_with_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    from hal.cli import main
+    from hal.tools.cli import main
 
     assert main(["conformance", "--device", "nosuchdev", "--quick"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -304,7 +307,7 @@ def test_cli_unknown_device_is_one_line_with_exit_code(capsys: pytest.CaptureFix
 
 
 def test_cli_lists_checks_and_rejects_an_empty_selection(capsys: pytest.CaptureFixture[str]) -> None:
-    from hal.cli import main
+    from hal.tools.cli import main
 
     assert main(["conformance", "--device", "cpu", "--list"]) == 0
     listed = capsys.readouterr().out.strip().splitlines()
@@ -313,11 +316,11 @@ def test_cli_lists_checks_and_rejects_an_empty_selection(capsys: pytest.CaptureF
 
 
 def _hal(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hal.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "hal.tools.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_hal_help_and_info_through_the_command_line() -> None:
-    from hal.cli import COMMANDS
+    from hal.tools.cli import COMMANDS
 
     top = _hal("--help")
     assert top.returncode == 0
@@ -333,7 +336,7 @@ def test_hal_help_and_info_through_the_command_line() -> None:
 
 @pytest.mark.parametrize("command", ["info", "conformance", "bench"])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from hal.cli import main
+    from hal.tools.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main([command, "--help"])
@@ -341,10 +344,28 @@ def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]
     assert "usage: hal" in capsys.readouterr().out
 
 
-def test_missing_required_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from hal.cli import main
+def test_device_defaults_to_cpu_in_every_command() -> None:
+    from hal.tools.cli import COMMANDS, build_parser
 
-    with pytest.raises(SystemExit) as exc:
-        main(["conformance"])
-    assert exc.value.code == 2
-    assert "--device" in capsys.readouterr().err
+    parser = build_parser()
+    for command in COMMANDS:
+        args = parser.parse_args([command])
+        assert getattr(args, "device", "cpu") == "cpu", command
+    assert {c for c in COMMANDS if hasattr(parser.parse_args([c]), "device")} == {"demo", "conformance", "bench"}
+
+
+def test_conformance_without_device_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from hal.tools.cli import main
+
+    assert main(["conformance", "-k", "round trip"]) == 0
+    assert "backend 'cpu'" in capsys.readouterr().out
+
+
+def test_unavailable_device_with_an_emulator_says_emulate_runs_it_here(capsys: pytest.CaptureFixture[str]) -> None:
+    from hal.tools.cli import main
+
+    assert main(["conformance", "--device", "npu", "-k", "round trip"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "torch_npu is not installed" in err and "add --emulate to run it here" in err
+    assert main(["conformance", "--device", "tpu"]) == 1  # unknown, not unavailable: no hint
+    assert "--emulate" not in capsys.readouterr().err

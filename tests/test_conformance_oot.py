@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import hal
-from hal.conformance import Status, build_suite, run_suite
+from hal.tools.conformance import Status, build_suite, run_suite
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = Path(__file__).resolve().parent / "oot_backend" / "site"
@@ -66,12 +66,12 @@ def test_oot_graph_without_host_parameter_updates_is_caught(oot_registered: str)
 
 def test_entry_point_discovery_and_cli_in_a_fresh_process() -> None:
     env = _env(SITE)
-    info = subprocess.run([sys.executable, "-m", "hal.cli", "info"], env=env, capture_output=True, text=True, timeout=120)
+    info = subprocess.run([sys.executable, "-m", "hal.tools.cli", "info"], env=env, capture_output=True, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
     row = next(line for line in info.stdout.splitlines() if line.startswith("oot "))
     assert "entry point (hal-oot-example)" in row and row.split()[1] == "yes"
     conf = subprocess.run(
-        [sys.executable, "-m", "hal.cli", "conformance", "--device", "oot", "--quick"],
+        [sys.executable, "-m", "hal.tools.cli", "conformance", "--device", "oot", "--quick"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert conf.returncode == 0, conf.stdout + conf.stderr
@@ -85,7 +85,8 @@ def _write_broken_distribution(root: Path) -> Path:
     (site / "broken_backend_dist-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-backend-dist\nVersion: 0.1\n")
     (site / "broken_backend_dist-0.1.dist-info" / "entry_points.txt").write_text("[hal.backends]\nbrokenv = broken_backend:Backend\n")
     (site / "broken_backend.py").write_text(textwrap.dedent('''
-        from backends.cpu import CpuBackend, CpuKVPool
+        from hal.backends.cpu import CpuBackend
+        from hal.backends.cpu.kv_pool import CpuKVPool
         from hal.errors import UnsupportedConfigError
 
         class Pool(CpuKVPool):
@@ -107,7 +108,7 @@ def _write_broken_distribution(root: Path) -> Path:
 def test_pytest_plugin_runs_the_suite_on_the_oot_backend(tmp_path: Path) -> None:
     (tmp_path / "test_own.py").write_text("def test_own(hal_backend):\n    assert hal_backend.name == 'oot'\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "hal.pytest_plugin", "--hal-device=oot", "--hal-quick", "-q",
+        [sys.executable, "-m", "pytest", "-p", "hal.tools.pytest_plugin", "--hal-device=oot", "--hal-quick", "-q",
          "-p", "no:cacheprovider", str(tmp_path)],
         env=_env(SITE), cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
@@ -120,7 +121,7 @@ def test_pytest_plugin_runs_the_suite_on_the_oot_backend(tmp_path: Path) -> None
 def test_pytest_plugin_fails_broken_and_skips_unsupported(tmp_path: Path) -> None:
     site = _write_broken_distribution(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "hal.pytest_plugin", "--hal-device=brokenv", "--hal-quick",
+        [sys.executable, "-m", "pytest", "-p", "hal.tools.pytest_plugin", "--hal-device=brokenv", "--hal-quick",
          "-k", "round or graph", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
         env=_env(site), cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
@@ -132,7 +133,7 @@ def test_pytest_plugin_fails_broken_and_skips_unsupported(tmp_path: Path) -> Non
 
 def test_pytest_plugin_reports_an_unknown_device_as_a_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "hal.pytest_plugin", "--hal-device=nosuchdev", "-q",
+        [sys.executable, "-m", "pytest", "-p", "hal.tools.pytest_plugin", "--hal-device=nosuchdev", "-q",
          "-p", "no:cacheprovider", str(tmp_path)],
         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
@@ -142,4 +143,4 @@ def test_pytest_plugin_reports_an_unknown_device_as_a_usage_error(tmp_path: Path
 
 def test_plugin_is_registered_as_a_pytest11_entry_point() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert project["project"]["entry-points"]["pytest11"]["hal"] == "hal.pytest_plugin"
+    assert project["project"]["entry-points"]["pytest11"]["hal"] == "hal.tools.pytest_plugin"

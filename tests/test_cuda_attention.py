@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import hal
-from backends.cpu import CpuBackend
+from hal.backends.cpu import CpuBackend
 from hal.allocator import KVAllocator, RequestPageTable
 from hal.errors import KVLayoutError, SpecError, UnsupportedConfigError
 from hal.metadata import build_metadata
-from hal.testing import AttentionCase, prepare_case, run_attention_case, standard_attention_cases
+from hal.tools.testing import AttentionCase, prepare_case, run_attention_case, standard_attention_cases
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

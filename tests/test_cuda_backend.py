@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import hal
-from backends.cpu import EagerGraph
-from backends.cuda import CudaAttention, CudaBackend, CudaKVPool
+from hal.backends.cuda import CudaBackend
+from hal.backends.cuda.attention import CudaAttention
+from hal.backends.cuda.kv_pool import CudaKVPool
+from hal.graph import EagerGraph
 from hal.protocols import AttentionKernel, Backend, Graph, KVPool
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
 from hal.metadata import build_metadata
@@ -35,7 +37,7 @@ def _python(code: str, *, env: dict[str, str] | None = None, args: tuple[str, ..
 def test_get_backend_cuda_without_a_gpu_says_what_is_missing_and_imports_no_triton() -> None:
     code = """
 import sys
-import hal, backends.cuda
+import hal, hal.backends.cuda
 hal.list_backends()
 try:
     hal.get_backend("cuda")
@@ -70,7 +72,7 @@ def test_emulation_is_explicit_and_sets_the_interpreter_before_triton_loads() ->
 import os, sys, hal
 be = hal.get_backend("cuda", emulate=True)
 print("env:", os.environ.get("TRITON_INTERPRET"), "triton before first call:", "triton" in sys.modules)
-from hal.testing import AttentionCase, run_attention_case
+from hal.tools.testing import AttentionCase, run_attention_case
 from hal.spec import ForwardMode, LayerSpec
 r = run_attention_case(be, AttentionCase(ForwardMode.DECODE, LayerSpec(0, 2, 1, 16, 16, scaling=0.25), (5,), (1,)))
 import triton.knobs

@@ -14,7 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.cpu import CpuAttention, CpuBackend, EagerGraph
+from hal.backends.cpu import CpuBackend
+from hal.backends.cpu.attention import CpuAttention
+from hal.graph import EagerGraph
 from hal.allocator import KVAllocator, RequestPageTable
 from hal.errors import BatchTooLargeError, GraphError, SpecError
 from hal.graph import GraphUpdate, capture_span, copy_into, is_capturing, record_updatable_call

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.cpu import CpuBackend
+from hal.backends.cpu import CpuBackend
 from hal.allocator import KVAllocator
 from hal.errors import CacheLocationError, KVLayoutError
 from hal.kv_pool import SplitKVPool

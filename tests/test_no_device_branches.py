@@ -264,7 +264,7 @@ NEGATIVE = [
     "layer = pool.is_swa_layer(0)",
     "capturing = is_capturing()",
     "be = hal.get_backend('npu')",
-    "builtin = {'npu': 'backends.npu:NpuBackend', 'cuda': 'backends.cuda:CudaBackend'}",
+    "builtin = {'npu': 'hal.backends.npu:NpuBackend', 'cuda': 'hal.backends.cuda:CudaBackend'}",
     "if device_type == 'auto':\n    pass",
     "if x.dtype == torch.float32:\n    pass",
     "t = torch.zeros(3, device='cpu')",
@@ -276,7 +276,7 @@ NEGATIVE = [
     "from torch.nn import functional\nimport torch.nn as nn",
     "x = torch.empty(1).to(device)",
     "if device == other_device:\n    pass",
-    "mod = importlib.import_module('backends.npu')",
+    "mod = importlib.import_module('hal.backends.npu')",
     "ok = getattr(module, 'npu', None)",
     "match mode:\n    case 'npu':\n        pass",
 ]

@@ -14,9 +14,12 @@ import pytest
 import torch
 
 import hal
-from backends.cpu import CpuBackend
-from backends.npu import NpuAttention, NpuBackend, NpuGraph, NpuKVPool, emulator
-from backends.npu.kv_pool import BUFFER_ALIGNMENT
+from hal.backends.cpu import CpuBackend
+from hal.backends.npu import NpuBackend, emulator
+from hal.backends.npu.attention import NpuAttention
+from hal.backends.npu.graph import NpuGraph
+from hal.backends.npu.kv_pool import NpuKVPool
+from hal.backends.npu.kv_pool import BUFFER_ALIGNMENT
 from hal import (
     ForwardMode,
     GraphRunner,
@@ -29,7 +32,7 @@ from hal import (
 )
 from hal.errors import BackendUnavailableError, CacheLocationError, GraphError, SpecError, UnsupportedConfigError
 from hal.graph import GraphUpdate, is_capturing
-from hal.testing import AttentionCase, prepare_case, run_attention_case, standard_attention_cases
+from hal.tools.testing import AttentionCase, prepare_case, run_attention_case, standard_attention_cases
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -56,7 +59,7 @@ def test_npu_is_unavailable_without_torch_npu_and_says_how_to_install() -> None:
 def test_importing_hal_and_the_npu_backend_imports_no_torch_npu() -> None:
     code = textwrap.dedent(
         """
-        import sys, hal, backends.npu, backends.npu.emulator
+        import sys, hal, hal.backends.npu, hal.backends.npu.emulator
         hal.get_backend("cpu")
         assert "torch_npu" not in sys.modules and not hasattr(__import__("torch"), "npu"), sys.modules.keys()
         try:
@@ -350,7 +353,7 @@ def test_an_update_thread_exception_surfaces_from_replay(npu: NpuBackend, monkey
     def broken(self: Any, cpu_update_input: Any) -> None:
         raise ValueError("injected update failure")
 
-    monkeypatch.setattr(emulator, "REPLAY_WAIT_TIMEOUT_S", 0.2)  # nothing releases the replay now
+    monkeypatch.setattr(emulator.runtime, "REPLAY_WAIT_TIMEOUT_S", 0.2)  # nothing releases the replay now
     monkeypatch.setattr(emulator.NPUGraph, "update", broken)
     with pytest.raises(GraphError, match="injected update failure") as info:
         runner.run(x, md)

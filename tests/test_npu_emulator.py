@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from backends.npu import emulator
-from backends.npu.emulator import CaptureSyncError, NpuOpError
+from hal.backends.npu import emulator
+from hal.backends.npu.emulator import CaptureSyncError, NpuOpError
 
 INT_MAX = 2147483647
 BF16 = torch.bfloat16
@@ -519,7 +519,7 @@ def test_update_racing_an_unsynchronized_replay_raises() -> None:
 
 
 def test_replay_without_update_would_hang_and_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(emulator, "REPLAY_WAIT_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(emulator.runtime, "REPLAY_WAIT_TIMEOUT_S", 0.05)
     graph, _, _, _ = capture_fia(auto=True)
     with pytest.raises(NpuOpError, match="needs an update per replay"):
         graph.replay()

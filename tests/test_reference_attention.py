@@ -15,11 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import backends.cpu.attention as cpu_attention
-from backends.cpu import CpuBackend, paged_attention
+import hal.reference as reference_attention
+from hal.backends.cpu import CpuBackend
+from hal.reference import paged_attention
 from hal.metadata import build_metadata
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
-from hal.testing import TOLERANCE
+from hal.tools.testing import TOLERANCE
 
 M = ForwardMode
 EXPENSIVE = settings.get_profile("hal-expensive")
@@ -197,7 +198,7 @@ def test_every_mode_and_feature_matches_dense_oracle(mode, window, sinks, hybrid
 @pytest.mark.parametrize("window, sinks, hybrid", [(None, True, False), (3, True, True)])
 def test_one_request_per_gather_chunk_matches_dense_oracle(mode, window, sinks, hybrid, monkeypatch) -> None:
     """A chunk budget below one request's K/V attends every request in its own group."""
-    monkeypatch.setattr(cpu_attention, "GATHER_CHUNK_BYTES", 1)
+    monkeypatch.setattr(reference_attention, "GATHER_CHUNK_BYTES", 1)
     layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
     kv = [19, 4, 0, 9] if mode is M.EXTEND else [19, 4, 9]
     q = [7, 4, 0, 9] if mode is M.EXTEND else [{M.DECODE: 1, M.TARGET_VERIFY: 4}[mode]] * 3
@@ -208,13 +209,13 @@ def test_one_request_per_gather_chunk_matches_dense_oracle(mode, window, sinks, 
 def test_gather_chunks_group_consecutive_requests_within_the_budget(monkeypatch) -> None:
     """The budget counts fp32 K+V of the widest request times the group size."""
     seen: list[int] = []
-    real = cpu_attention._attend_requests
+    real = reference_attention._attend_requests
 
     def spy(q, k_cache, v_cache, block_table, *args, **kwargs):
         seen.append(block_table.shape[0])
         return real(q, k_cache, v_cache, block_table, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_attention, "_attend_requests", spy)
+    monkeypatch.setattr(reference_attention, "_attend_requests", spy)
     ps, hkv, dk, dv = 4, 1, 2, 2
     k_cache, v_cache = torch.randn(9, ps, hkv, dk), torch.randn(9, ps, hkv, dv)
     block_table = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 0], [7, 0]])
@@ -350,7 +351,7 @@ def test_workspace_reuse_across_calls_of_changing_size_matches_fresh_buffers(dty
     ps, hkv, hq, dk, dv = 4, 2, 4, 8, 6
     k_cache = torch.randn(12, ps, hkv, dk, generator=gen).to(dtype)
     v_cache = torch.randn(12, ps, hkv, dv, generator=gen).to(dtype)
-    ws = cpu_attention.GatherWorkspace()
+    ws = reference_attention.GatherWorkspace()
     for kv_lens, table in (([9, 7], [[3, 1, 5], [2, 8, 0]]), ([3], [[11, 0, 0]]), ([12, 5, 8], [[4, 6, 7], [9, 10, 0], [1, 2, 0]])):
         b = len(kv_lens)
         q = torch.randn(b, hq, dk, generator=gen).to(dtype)

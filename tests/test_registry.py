@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hal
-from backends.cpu import CpuBackend
+from hal.backends.cpu import CpuBackend
 from hal import registry
 from hal.errors import BackendUnavailableError, UnknownDeviceError
 from hal.protocols import Availability
@@ -34,7 +34,10 @@ def isolated(monkeypatch: pytest.MonkeyPatch):
     return registry
 
 
-def fake_backend(name: str, *, available: bool = True, count: int = 2, reason: str = "fake reason", probe_error: bool = False):
+def fake_backend(
+    name: str, *, available: bool = True, count: int = 2, reason: str = "fake reason", probe_error: bool = False,
+    auto_priority: int | None = None,
+):
     """A new backend class; ``installs`` counts install_emulation calls when it has one."""
 
     def probe(cls) -> Availability:
@@ -53,6 +56,7 @@ def fake_backend(name: str, *, available: bool = True, count: int = 2, reason: s
             "name": name,
             "device_type": name.lower(),
             "collective_backend": "gloo",
+            "auto_priority": auto_priority,
             "available": available,
             "count": count,
             "__init__": init,
@@ -246,8 +250,8 @@ def test_unimportable_targets(isolated) -> None:
     hal.register_backend("ghost", "hal_no_such_module_anywhere:Backend")
     with pytest.raises(BackendUnavailableError, match="cannot be imported .*install the package that provides hal_no_such_module_anywhere"):
         hal.get_backend("ghost")
-    hal.register_backend("hollow", "backends.cpu:NoSuchBackend")
-    with pytest.raises(BackendUnavailableError, match="backends.cpu has no 'NoSuchBackend'"):
+    hal.register_backend("hollow", "hal.backends.cpu:NoSuchBackend")
+    with pytest.raises(BackendUnavailableError, match="hal.backends.cpu has no 'NoSuchBackend'"):
         hal.get_backend("hollow")
     infos = {i.device_type: i for i in hal.list_backends()}
     assert not infos["ghost"].availability.available and "cannot be imported" in infos["ghost"].availability.reason
@@ -293,8 +297,8 @@ def test_a_cached_backend_whose_runtime_went_away_is_not_returned(isolated) -> N
 
 
 def test_auto_picks_the_first_available_in_order(isolated) -> None:
-    npu = fake_backend("FakeNpu", available=False, reason="no npu here")
-    cuda = fake_backend("FakeCuda")
+    npu = fake_backend("FakeNpu", available=False, reason="no npu here", auto_priority=300)
+    cuda = fake_backend("FakeCuda", auto_priority=200)
     hal.register_backend("npu", npu, override=True)
     hal.register_backend("cuda", cuda, override=True)
     assert type(hal.get_backend("auto")) is cuda
@@ -306,7 +310,7 @@ def test_auto_picks_the_first_available_in_order(isolated) -> None:
     assert isinstance(hal.get_backend("auto"), CpuBackend)
     hal.unregister_backend("npu")  # a missing candidate is skipped
     assert isinstance(hal.get_backend("auto"), CpuBackend)
-    hal.register_backend("cpu", fake_backend("FakeCpu", available=False, reason="no cpu either"), override=True)
+    hal.register_backend("cpu", fake_backend("FakeCpu", available=False, reason="no cpu either", auto_priority=0), override=True)
     with pytest.raises(BackendUnavailableError, match="no backend is available for 'auto': cuda: .*fake reason.*; cpu: .*no cpu either"):
         hal.get_backend("auto")
 
@@ -356,9 +360,66 @@ def test_list_backends_contents() -> None:
     assert {"cpu", "npu", "cuda"} <= set(by_name)
     cpu = by_name["cpu"]
     assert (cpu.target, cpu.source, cpu.availability.available, cpu.availability.device_count) == (
-        "backends.cpu:CpuBackend", "builtin", True, 1
+        "hal.backends.cpu:CpuBackend", "builtin", True, 1
     )
     for name in ("npu", "cuda"):
-        assert by_name[name].target == f"backends.{name}:{name.capitalize()}Backend"
+        assert by_name[name].target == f"hal.backends.{name}:{name.capitalize()}Backend"
         assert by_name[name].source == "builtin"
         assert by_name[name].availability.reason  # available or not, it says why
+
+
+def test_auto_considers_entry_point_backends_by_their_declared_priority(isolated, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dist = tmp_path / "halprio-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: halprio\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[hal.backends]\nhigh = halprio_mod:High\nquiet = halprio_mod:Quiet\n")
+    (tmp_path / "halprio_mod.py").write_text(
+        "from hal.sdk import Availability, BackendBase, SplitKVPool\n"
+        "class High(BackendBase):\n"
+        "    name = device_type = 'high'\n"
+        "    auto_priority = 250\n"
+        "    available = True\n"
+        "    def _tensor_device(self, index):\n"
+        "        import torch\n"
+        "        return torch.device('cpu')\n"
+        "    @classmethod\n"
+        "    def probe(cls):\n"
+        "        return Availability(cls.available, 'high plug-in', 1)\n"
+        "class Quiet(High):\n"
+        "    name = device_type = 'quiet'\n"
+        "    auto_priority = None\n"
+        "    available = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "halprio_mod", raising=False)
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    registry._load_entry_points()
+    # The built-in accelerators, unavailable whatever ran before in this process (an emulator, a GPU).
+    hal.register_backend("npu", fake_backend("FakeNpu", available=False, auto_priority=300), override=True)
+    hal.register_backend("cuda", fake_backend("FakeCuda", available=False, auto_priority=200), override=True)
+    order = registry.auto_order()
+    assert "quiet" not in order  # no declared priority: used only when named
+    assert order.index("high") < order.index("cpu")
+    assert order == ["npu", "high", "cuda", "cpu"]  # 300, 250, 200, 0
+    picked = hal.get_backend("auto")
+    high = sys.modules["halprio_mod"].High
+    assert type(picked) is high  # npu and cuda are unavailable here, the plug-in beats cpu
+    high.available = False
+    registry._instances.clear()
+    assert isinstance(hal.get_backend("auto"), CpuBackend)
+    infos = {i.device_type: i for i in hal.list_backends()}
+    assert (infos["high"].auto_priority, infos["quiet"].auto_priority, infos["cpu"].auto_priority) == (250, None, 0)
+    assert infos["cpu"].collective_backend == "gloo"
+    monkeypatch.delitem(sys.modules, "halprio_mod")
+
+
+def test_list_backends_imports_no_vendor_runtime() -> None:
+    code = (
+        "import sys, hal\n"
+        "infos = {i.device_type: i for i in hal.list_backends()}\n"
+        "assert infos['cpu'].availability.available\n"
+        "print(sorted(m for m in ('triton', 'torch_npu') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

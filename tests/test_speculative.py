@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 
 import pytest
@@ -11,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hal.errors import SpecError
-from speculative import demo
-from speculative.chain import greedy_accept, rotate_input_ids
-from speculative.distill import DistillConfig, distill
-from speculative.model import TinyConfig, TinyMiMo
-from speculative.worker import GreedyDecoder, MultiLayerEagleWorker
+from hal.tools import demo
+from hal.speculative.chain import greedy_accept, rotate_input_ids
+from hal.speculative.distill import DistillConfig, distill
+from hal.speculative.model import TinyConfig, TinyMiMo
+from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
 
 SMALL = TinyConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=6, sliding_window=8)
 MAX_SEQ = 96
@@ -93,7 +92,7 @@ def test_speculative_equals_plain_greedy_on_cpu(
 
 @pytest.fixture()
 def npu_emulated():  # type: ignore[no-untyped-def]
-    from backends.npu import emulator
+    from hal.backends.npu import emulator
 
     emulator.install()
     try:
@@ -166,10 +165,10 @@ def test_bad_arguments_raise_typed_errors(model: TinyMiMo) -> None:
 
 
 def test_demo_runs_and_reports_identical_outputs() -> None:
-    parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
-    args = parser.parse_args(
-        ["--train-steps", "5", "--train-sequences", "8", "--max-new-tokens", "6", "--batch-size", "2", "--no-cache"]
+    from hal.tools.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["demo", "--train-steps", "5", "--train-sequences", "8", "--max-new-tokens", "6", "--batch-size", "2", "--no-cache"]
     )
     out = io.StringIO()
     assert demo.run(args, out=out) == 0
@@ -179,7 +178,7 @@ def test_demo_runs_and_reports_identical_outputs() -> None:
 
 
 def test_demo_on_an_unavailable_device_fails_with_one_line_before_training(monkeypatch, capsys) -> None:
-    from hal.cli import main
+    from hal.tools.cli import main
 
     def no_training(*args, **kwargs):
         raise AssertionError("the demo trained before checking its device")
@@ -198,7 +197,7 @@ def test_demo_on_an_unavailable_device_fails_with_one_line_before_training(monke
 def _dense_drafts(model: TinyMiMo, committed: list[int], bonus_and_drafts: list[int], steps: int) -> list[int]:
     """MTP block k's argmax at the last committed position, computed densely over the whole sequence:
     block k at position p reads (target_hidden[p], token[p + k + 1])."""
-    from speculative.distill import DenseAttend
+    from hal.speculative.distill import DenseAttend
 
     n = len(committed)
     attend = DenseAttend(1, n)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hal.errors import SpecError
-from speculative.distill import (
+from hal.speculative.distill import (
     DenseAttend,
     DistillConfig,
     _mtp_inputs,
@@ -17,7 +17,7 @@ from speculative.distill import (
     greedy_sequences,
     mtp_accuracy,
 )
-from speculative.model import TinyConfig, TinyMiMo
+from hal.speculative.model import TinyConfig, TinyMiMo
 
 TINY = TinyConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=6, sliding_window=8)
 QUICK = DistillConfig(num_sequences=32, seq_len=32, steps=40, batch_size=16)

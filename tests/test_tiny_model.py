@@ -8,9 +8,9 @@ import torch
 import hal
 from hal import ForwardMode, KVPoolSpec, SWAPoolSpec
 from hal.errors import SpecError
-from speculative.distill import DenseAttend
-from speculative.model import PartialRotary, TinyConfig, TinyMiMo
-from speculative.worker import KernelAttend
+from hal.speculative.distill import DenseAttend
+from hal.speculative.model import PartialRotary, TinyConfig, TinyMiMo
+from hal.speculative.engine import KernelAttend
 
 # Default head dims (192/128) and window; fewer layers so the tests stay fast (0 and 5 are full).
 SIX = TinyConfig(num_layers=6, vocab_size=256)

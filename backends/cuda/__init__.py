@@ -15,20 +15,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from backends.cpu.graph import EagerGraph
-from backends.cuda.attention import CudaAttention
-from backends.cuda.graph import CudaGraph
-from hal.errors import BackendUnavailableError
-from hal.kv_pool import SplitKVPool
-from hal.protocols import Availability
-from hal.spec import KVPoolSpec
+from hal.backends.cuda.attention import CudaAttention
+from hal.backends.cuda.graph import CudaGraph
+from hal.backends.cuda.kv_pool import CudaKVPool
+from hal.sdk import Availability, BackendBase, BackendUnavailableError, EagerGraph, GraphBase
 
 _INTERPRET_ENV = "TRITON_INTERPRET"
-
-
-class CudaKVPool(SplitKVPool):
-    """Split K/V pool in device memory; ``set_kv`` writes with one ``index_copy_`` per buffer
-    (the ``SplitKVPool`` default), which reads no device values and so is graph-capturable."""
 
 
 def _triton_version() -> str | None:
@@ -40,7 +32,7 @@ def _triton_version() -> str | None:
         return "unknown"
 
 
-class CudaBackend:
+class CudaBackend(BackendBase):
     """NVIDIA GPUs through Triton and CUDA graphs (NCCL for collectives).
 
     Under emulation the device is the CPU, kernels run in the Triton interpreter, and
@@ -52,14 +44,20 @@ class CudaBackend:
     name = "cuda"
     device_type = "cuda"
     collective_backend = "nccl"
+    auto_priority = 200
+    kv_pool_class = CudaKVPool
+    attention_class = CudaAttention
+    graph_class = CudaGraph
     _emulation: ClassVar[bool] = False
 
     def __init__(self, index: int | None = None) -> None:
         self.emulated = type(self)._emulation
+        super().__init__(index)
+
+    def _tensor_device(self, index: int | None) -> torch.device:
         if self.emulated:
-            self.device = torch.device("cpu")
-        else:
-            self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
 
     @classmethod
     def install_emulation(cls) -> None:
@@ -71,7 +69,7 @@ class CudaBackend:
         if _triton_version() is None:
             raise BackendUnavailableError("cuda emulation needs triton (pip install '.[cuda]'): it is not installed")
         if os.environ.get(_INTERPRET_ENV) != "1" and (
-            "triton" in sys.modules or "backends.cuda.triton_attention" in sys.modules
+            "triton" in sys.modules or "hal.backends.cuda.triton_attention" in sys.modules
         ):
             raise BackendUnavailableError(
                 f"cuda emulation must be installed before triton is imported, but triton is already imported "
@@ -109,17 +107,7 @@ class CudaBackend:
             return Availability(False, "; ".join(missing), device_count=count, versions=versions)
         return Availability(True, torch.cuda.get_device_name(0), device_count=count, versions=versions)
 
-    @classmethod
-    def is_available(cls) -> bool:
-        return cls.probe().available
-
-    def create_kv_pool(self, spec: KVPoolSpec) -> CudaKVPool:
-        return CudaKVPool(spec, self.device)
-
-    def create_attention(self, pool: CudaKVPool) -> CudaAttention:
-        return CudaAttention(pool)
-
-    def create_graph(self) -> CudaGraph | EagerGraph:
+    def create_graph(self) -> GraphBase:
         return EagerGraph() if self.emulated else CudaGraph(self.device)
 
     def graph_memory_pool(self) -> Any:
@@ -133,5 +121,3 @@ class CudaBackend:
     def __repr__(self) -> str:
         return f"CudaBackend(device={self.device}{', emulated' if self.emulated else ''})"
 
-
-__all__ = ["CudaAttention", "CudaBackend", "CudaGraph", "CudaKVPool"]

@@ -1,6 +1,6 @@
 """The Triton paged-attention kernel: one kernel for every forward mode.
 
-Imported lazily (only when a ``CudaAttention`` runs), so ``import hal`` and ``import backends.cuda``
+Imported lazily (only when a ``CudaAttention`` runs), so ``import hal`` and ``import hal.backends.cuda``
 never import triton, and emulation can set ``TRITON_INTERPRET=1`` before ``@triton.jit`` runs.
 
 Work split: a program owns up to ``BLOCK_Q`` query rows of one request and every q head of one
@@ -205,7 +205,7 @@ def paged_attention(
     sinks: torch.Tensor | None,  # [Hq]
     query_rows_hint: int,
 ) -> torch.Tensor:
-    """Launch the kernel; same contract as ``backends.cpu.paged_attention``.
+    """Launch the kernel; same contract as ``hal.reference.paged_attention``.
 
     ``query_rows_hint`` (rows per request, e.g. 1 for decode) only sizes tiles; it must stay the
     same across replays of a captured graph, so pass a value fixed by the mode and shapes.

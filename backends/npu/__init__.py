@@ -1,43 +1,59 @@
 """The Ascend NPU backend: FIA v2 paged attention, NPUGraph capture with host-parameter updates,
 split K/V pools written by ``npu_scatter_nd_update_``.
 
-``torch_npu`` is imported lazily, on first use (see ``backends.npu.runtime``), never at import time.
-Without Ascend hardware the backend runs on the CPU emulator in ``backends.npu.emulator``, installed
+``torch_npu`` is imported lazily, on first use (see ``hal.backends.npu.runtime``), never at import time.
+Without Ascend hardware the backend runs on the CPU emulator in ``hal.backends.npu.emulator``, installed
 only on request: ``hal.get_backend("npu", emulate=True)`` or ``NpuBackend.install_emulation()``.
 """
 
 from __future__ import annotations
 
+import glob
+import sys
 from typing import Any
 
 import torch
 
-from backends.npu import runtime
-from backends.npu.attention import NpuAttention
-from backends.npu.graph import NpuGraph
-from backends.npu.kv_pool import NpuKVPool
-from hal.protocols import Availability
-from hal.spec import KVPoolSpec
+from hal.backends.npu import runtime
+from hal.backends.npu.attention import NpuAttention
+from hal.backends.npu.graph import NpuGraph
+from hal.backends.npu.kv_pool import NpuKVPool
+from hal.sdk import Availability, BackendBase
+
+# Device nodes the Ascend driver creates, one per NPU: counted without importing torch_npu.
+DEVICE_NODES = "/dev/davinci[0-9]*"
 
 
-class NpuBackend:
+class NpuBackend(BackendBase):
     """Backend bundle for ``"npu"`` / ``"npu:<index>"``."""
 
     name = "npu"
     device_type = "npu"
     collective_backend = "hccl"
+    auto_priority = 300
+    kv_pool_class = NpuKVPool
+    attention_class = NpuAttention
+    graph_class = NpuGraph
 
-    def __init__(self, index: int | None = None, *, tp_group: Any = None) -> None:
-        self.index = index
-        self.device = runtime.tensor_device(index)
-        self.tp_group = tp_group  # graphs barrier on it between warm-up and capture
+    def __init__(self, index: int | None = None) -> None:
+        super().__init__(index)
         self._graph_pool: Any = None
         self._capture_stream: Any = None
 
+    def _tensor_device(self, index: int | None) -> torch.device:
+        return runtime.tensor_device(index)
+
     @classmethod
     def probe(cls) -> Availability:
+        """Cheap: asks ``torch.npu`` only once torch_npu is imported; before that, counts the
+        driver's device nodes (importing torch_npu initialises the runtime: seconds, not a probe)."""
         if not runtime.is_installed():
             return Availability(False, "torch_npu is not installed")
+        if "torch_npu" not in sys.modules:
+            nodes = len(glob.glob(DEVICE_NODES))
+            if nodes == 0:
+                return Availability(False, f"torch_npu is installed but no Ascend device node ({DEVICE_NODES}) exists")
+            return Availability(True, f"Ascend NPU, {nodes} device node(s); torch_npu is imported on first use", nodes)
         try:
             torch_npu = runtime.torch_npu()
             npu = runtime.npu()
@@ -51,26 +67,16 @@ class NpuBackend:
         return Availability(True, f"{what}, {count} device(s)", count, versions)
 
     @classmethod
-    def is_available(cls) -> bool:
-        return cls.probe().available
-
-    @classmethod
     def install_emulation(cls) -> None:
-        """Install the CPU stand-in for torch_npu (explicit only; see backends.npu.emulator)."""
-        from backends.npu import emulator
+        """Install the CPU stand-in for torch_npu (explicit only; see hal.backends.npu.emulator)."""
+        from hal.backends.npu import emulator
 
         emulator.install()
-
-    def create_kv_pool(self, spec: KVPoolSpec) -> NpuKVPool:
-        return NpuKVPool(spec, self.device)
-
-    def create_attention(self, pool: NpuKVPool) -> NpuAttention:
-        return NpuAttention(pool)
 
     def create_graph(self) -> NpuGraph:
         if self._capture_stream is None:
             self._capture_stream = runtime.npu().Stream(device=self.device)
-        return NpuGraph(stream=self._capture_stream, tp_group=self.tp_group)
+        return NpuGraph(stream=self._capture_stream)
 
     def graph_memory_pool(self) -> Any:
         """One memory pool shared by every graph of this backend."""
@@ -83,6 +89,3 @@ class NpuBackend:
 
     def __repr__(self) -> str:
         return f"NpuBackend(device={self.device}{', emulated' if runtime.is_emulated() else ''})"
-
-
-__all__ = ["NpuAttention", "NpuBackend", "NpuGraph", "NpuKVPool"]

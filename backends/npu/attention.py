@@ -14,13 +14,8 @@ from typing import Any
 
 import torch
 
-from backends.npu import runtime
-from hal.attention import block_table_for, validate_attention_call
-from hal.errors import UnsupportedConfigError
-from hal.graph import record_updatable_call
-from hal.metadata import AttentionMetadata
-from hal.protocols import KVPool
-from hal.spec import ForwardMode, LayerSpec
+from hal.backends.npu import runtime
+from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, KVPool, LayerSpec, UnsupportedConfigError
 
 INT_MAX = 2147483647
 SPARSE_RIGHT_DOWN_CAUSAL = 3
@@ -101,7 +96,7 @@ def unsupported_reason(layer: LayerSpec, dtype: torch.dtype, page_size: int, max
     return None
 
 
-class NpuAttention:
+class NpuAttention(AttentionKernelBase):
     """``AttentionKernel`` on Ascend: writes K/V by scatter, then one FIA v2 call."""
 
     # A padded graph request sees one key (slot 0 of the padding page): FIA's causal mode needs
@@ -109,7 +104,7 @@ class NpuAttention:
     seq_len_fill_value = 1
 
     def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
+        super().__init__(pool)
         self._mask = causal_template_mask(pool.device)
         self._checked: set[tuple[LayerSpec, bool]] = set()
 
@@ -132,7 +127,7 @@ class NpuAttention:
         swa = layer.sliding_window is not None
         kwargs: dict[str, Any] = {
             "atten_mask": self._mask,
-            "block_table": block_table_for(self.pool, layer, metadata),
+            "block_table": self.block_table(layer, metadata),
             "num_query_heads": layer.num_q_heads,
             "num_key_value_heads": layer.num_kv_heads,
             "softmax_scale": layer.scaling,
@@ -147,21 +142,9 @@ class NpuAttention:
             kwargs["learnable_sink"] = sinks.to(torch.bfloat16)
         return kwargs
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: LayerSpec,
-        metadata: AttentionMetadata,
-        save_kv_cache: bool = True,
-        *,
-        sinks: torch.Tensor | None = None,
+    def _attend(
+        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks)
-        self.check_supported(layer, metadata)
-        if save_kv_cache:
-            self.pool.set_kv(layer.layer_id, metadata.out_cache_loc, k, v)
         if metadata.num_tokens == 0:
             return q.new_zeros((0, layer.num_q_heads, layer.v_head_dim))
         page_size = self.pool.spec.page_size
@@ -170,7 +153,7 @@ class NpuAttention:
         k_cache = k_cache.view(k_cache.shape[0], page_size, -1)
         v_cache = v_cache.view(v_cache.shape[0], page_size, -1)
         kwargs = self.fia_arguments(layer, metadata, sinks)
-        record_updatable_call(self, layer)  # no-op outside a graph capture
+        self.record_updatable_call(layer)  # a no-op outside a graph capture
         out, _ = runtime.torch_npu().npu_fused_infer_attention_score_v2(q, k_cache, v_cache, **kwargs)
         return out  # type: ignore[no-any-return]
 

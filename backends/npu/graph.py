@@ -10,81 +10,59 @@ in the caller, since a lost update means attention over stale lengths.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from backends.npu import runtime
-from hal.errors import GraphError
-from hal.graph import GraphUpdate, capture_span
+from hal.backends.npu import runtime
+from hal.sdk import GraphBase, GraphError
 
 T = TypeVar("T")
 
 
-class NpuGraph:
+class NpuGraph(GraphBase):
     """Capture ``fn`` once into an NPUGraph; ``replay(update)`` refreshes buffers and host params."""
 
+    takes_host_params = True
+
     def __init__(self, *, stream: Any = None, tp_group: Any = None, warmup_runs: int = 2) -> None:
-        if warmup_runs < 0:
-            raise GraphError(f"NpuGraph.warmup_runs must be >= 0, got {warmup_runs}")
-        self.captured_calls: list[tuple[Any, Any]] = []
-        self.warmup_runs = warmup_runs
+        super().__init__(warmup_runs=warmup_runs, tp_group=tp_group)
         self._stream = stream
-        self._tp_group = tp_group
         self._graph: Any = None
-        self._outputs: Any = None
 
-    def _barrier(self) -> None:
-        """Every tensor-parallel rank finishes warm-up before any starts capturing."""
-        if self._tp_group is not None:
-            import torch.distributed as dist
+    def _capture_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = runtime.npu().Stream()
+        return self._stream
 
-            dist.barrier(group=self._tp_group)
-
-    def capture(self, fn: Callable[[], T], *, pool: Any = None) -> T:
-        if self._graph is not None:
-            raise GraphError("NpuGraph.capture: this graph is already captured")
+    def _warm_up(self, fn: Callable[[], Any]) -> None:
         npu = runtime.npu()
-        stream = self._stream if self._stream is not None else npu.Stream()
+        stream = self._capture_stream()
         stream.wait_stream(npu.current_stream())
-        with npu.stream(stream):
-            for _ in range(self.warmup_runs):  # lazy init, workspace sizing, full eager validation
-                fn()
+        with npu.stream(stream):  # lazy init, workspace sizing, full eager validation
+            super()._warm_up(fn)
         npu.synchronize()
-        self._barrier()
+
+    def _capture(self, fn: Callable[[], T], memory_pool: Any) -> T:
+        npu = runtime.npu()
         graph = npu.NPUGraph()
-        with capture_span() as calls:
-            with npu.graph(graph, pool=pool, stream=stream, auto_dispatch_capture=True):
-                outputs = fn()
-        self._graph, self._outputs, self.captured_calls = graph, outputs, list(calls)
+        with npu.graph(graph, pool=memory_pool, stream=self._capture_stream(), auto_dispatch_capture=True):
+            outputs = fn()
+        self._graph = graph
         return outputs
 
-    def _update_list(self, update: GraphUpdate | None) -> list[Mapping[str, Any]]:
-        """One dict per captured FIA op; an empty update re-issues the ops unchanged."""
-        n = len(self.captured_calls)
-        params: Sequence[Mapping[str, Any]] = () if update is None else update.host_params
-        if not params:
-            return [{}]
-        if len(params) != n:
-            raise GraphError(
-                f"NpuGraph.replay: update has {len(params)} host-parameter dicts, the graph captured {n} FIA calls"
-            )
-        return [dict(p) for p in params]
-
-    def replay(self, update: GraphUpdate | None = None) -> None:
-        if self._graph is None:
-            raise GraphError("NpuGraph.replay: capture() first")
-        host_params = self._update_list(update)
-        npu = runtime.npu()
+    def _before_update(self) -> None:
         # The previous replay must be done before its captured ops' parameters are rewritten.
-        npu.synchronize()
-        if update is not None:
-            update.apply_buffer_copies()
+        runtime.npu().synchronize()
+
+    def _replay(self, host_params: tuple[Mapping[str, Any], ...]) -> None:
         graph = self._graph
+        # One dict per captured FIA op; an empty update re-issues the ops unchanged.
+        update_input = [dict(p) for p in host_params] or [{}]
         failures: list[BaseException] = []
 
         def push_update() -> None:
             try:
-                graph.update(cpu_update_input=host_params)
+                graph.update(cpu_update_input=update_input)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
                 failures.append(exc)
 

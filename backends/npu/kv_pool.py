@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from backends.npu import runtime
-from hal.kv_pool import SplitKVPool
+from hal.backends.npu import runtime
+from hal.sdk import SplitKVPool
 
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # bytes; large-page aligned buffers suit HCCL/RDMA registration
 

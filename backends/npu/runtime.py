@@ -1,7 +1,7 @@
-"""Lazy access to torch_npu and ``torch.npu``: the only place backends.npu imports the vendor runtime.
+"""Lazy access to torch_npu and ``torch.npu``: the only place hal.backends.npu imports the vendor runtime.
 
 Importing this module imports nothing from Ascend; every accessor imports ``torch_npu`` on first
-use (the real one, or the emulator once ``backends.npu.emulator.install()`` has run).
+use (the real one, or the emulator once ``hal.backends.npu.emulator.install()`` has run).
 """
 
 from __future__ import annotations

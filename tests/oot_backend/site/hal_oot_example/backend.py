@@ -1,4 +1,7 @@
-"""The ``oot`` backend: host memory, a host-parameter attention op and a graph that bakes it."""
+"""The ``oot`` backend: host memory, a host-parameter attention op and a graph that bakes it.
+
+Written as a third party would, against ``hal.sdk`` alone.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +12,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from backends.cpu.attention import paged_attention
-from hal.attention import block_table_for, validate_attention_call
-from hal.errors import GraphError
-from hal.graph import GraphUpdate, capture_span, copy_into, record_updatable_call
-from hal.kv_pool import SplitKVPool
-from hal.metadata import AttentionMetadata
-from hal.protocols import Availability, KVPool
-from hal.spec import KVPoolSpec, LayerSpec
+from hal.sdk import (
+    AttentionKernelBase,
+    AttentionMetadata,
+    Availability,
+    BackendBase,
+    GraphBase,
+    KVPoolSpec,
+    LayerSpec,
+    SplitKVPool,
+    copy_into,
+    paged_attention,
+)
 
 T = TypeVar("T")
 _ALIGN = 64  # elements; each buffer starts on an aligned offset of the arena
@@ -52,46 +59,30 @@ class ArenaKVPool(SplitKVPool):
         buffer.index_put_((loc,), rows)
 
 
-class HostLenAttention:
+class HostLenAttention(AttentionKernelBase):
     """Paged attention whose op reads per-request lengths from host lists (FIA-style)."""
-
-    seq_len_fill_value = 1
-
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
 
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
         """The host arguments of one call: what a graph update must refresh."""
         return {"kv_lens": list(metadata.kv_lens_cpu), "cu_q_lens": [0, *metadata.cu_q_lens_cpu]}
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: LayerSpec,
-        metadata: AttentionMetadata,
-        save_kv_cache: bool = True,
-        *,
-        sinks: torch.Tensor | None = None,
+    def _attend(
+        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks)
         params = self.updatable_params(metadata, layer)
-        record_updatable_call(self, layer)
+        self.record_updatable_call(layer)
         baked: list[Mapping[str, Any]] | None = getattr(_replay, "baked", None)
         if baked is not None:
             baked.append(params)  # capture: the arguments this call is captured with
         feed: Iterator[Mapping[str, Any]] | None = getattr(_replay, "feed", None)
         if feed is not None:
             params = next(feed)  # replay: the baked (or updated) host arguments of this call
-        if save_kv_cache:
-            self.pool.set_kv(layer.layer_id, metadata.out_cache_loc, k, v)
         dev = q.device
         return paged_attention(
             q,
             self.pool.k_buffer(layer.layer_id),
             self.pool.v_buffer(layer.layer_id),
-            block_table_for(self.pool, layer, metadata),
+            self.block_table(layer, metadata),
             torch.tensor(params["kv_lens"], dtype=torch.int32, device=dev),
             torch.tensor(params["cu_q_lens"], dtype=torch.int32, device=dev),
             scaling=layer.scaling,
@@ -100,40 +91,30 @@ class HostLenAttention:
         )
 
 
-class ReplayGraph:
+class ReplayGraph(GraphBase):
     """Captures ``fn`` and the host arguments of its updatable calls; replay re-runs ``fn`` with
     those arguments, replaced by ``update.host_params`` when given (stale otherwise, as on Ascend)."""
 
-    def __init__(self) -> None:
-        self._fn: Callable[[], Any] | None = None
-        self._outputs: Any = None
-        self._params: list[Mapping[str, Any]] = []
-        self.captured_calls: list[tuple[Any, Any]] = []
+    takes_host_params = True
 
-    def capture(self, fn: Callable[[], T], *, pool: Any = None) -> T:
-        if self._fn is not None:
-            raise GraphError("ReplayGraph.capture: this graph is already captured")
+    def __init__(self) -> None:
+        super().__init__()
+        self._fn: Callable[[], Any] | None = None
+        self._params: list[Mapping[str, Any]] = []
+
+    def _capture(self, fn: Callable[[], T], memory_pool: Any) -> T:
         _replay.baked = []
         try:
-            with capture_span() as calls:
-                outputs = fn()
+            outputs = fn()
         finally:
             baked, _replay.baked = _replay.baked, None
-        self._fn, self._outputs, self.captured_calls, self._params = fn, outputs, list(calls), baked
+        self._fn, self._params = fn, baked
         return outputs
 
-    def replay(self, update: GraphUpdate | None = None) -> None:
-        if self._fn is None:
-            raise GraphError("ReplayGraph.replay: capture() first")
-        if update is not None:
-            update.apply_buffer_copies()
-            if update.host_params:
-                if len(update.host_params) != len(self.captured_calls):
-                    raise GraphError(
-                        f"ReplayGraph.replay: {len(update.host_params)} host parameter sets for "
-                        f"{len(self.captured_calls)} captured calls"
-                    )
-                self._params = [dict(p) for p in update.host_params]
+    def _replay(self, host_params: tuple[Mapping[str, Any], ...]) -> None:
+        assert self._fn is not None
+        if host_params:
+            self._params = list(host_params)
         _replay.feed = iter(self._params)
         try:
             copy_into(self._outputs, self._fn())
@@ -141,35 +122,19 @@ class ReplayGraph:
             _replay.feed = None
 
 
-class OotBackend:
+class OotBackend(BackendBase):
     """Bundle for device type ``oot`` (tensors in host memory)."""
 
     name = "oot"
     device_type = "oot"
     collective_backend = "gloo"
+    kv_pool_class = ArenaKVPool
+    attention_class = HostLenAttention
+    graph_class = ReplayGraph
 
-    def __init__(self, index: int | None = None) -> None:
-        self.device = torch.device("cpu")
+    def _tensor_device(self, index: int | None) -> torch.device:
+        return torch.device("cpu")
 
     @classmethod
     def probe(cls) -> Availability:
         return Availability(True, "out-of-tree example on host memory", device_count=1)
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return True
-
-    def create_kv_pool(self, spec: KVPoolSpec) -> ArenaKVPool:
-        return ArenaKVPool(spec, self.device)
-
-    def create_attention(self, pool: KVPool) -> HostLenAttention:
-        return HostLenAttention(pool)
-
-    def create_graph(self) -> ReplayGraph:
-        return ReplayGraph()
-
-    def graph_memory_pool(self) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        pass

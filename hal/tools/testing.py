@@ -128,7 +128,7 @@ def pool_spec_for(case: AttentionCase, extra_pages: int = 3) -> KVPoolSpec:
 
 def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | None = None) -> tuple[PreparedCase, PreparedCase]:
     """Materialise ``case`` on ``backend`` and on the CPU reference, with identical contents."""
-    from backends.cpu import CpuBackend
+    from hal.backends.cpu import CpuBackend
 
     reference = reference if reference is not None else cast(Backend, CpuBackend())
     lay = case.layer

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from hal.conformance import Check, CheckResult
+    from hal.tools.conformance import Check, CheckResult
     from hal.protocols import Backend
 
 _RESULTS_KEY = pytest.StashKey[list["CheckResult"]]()
@@ -57,7 +57,7 @@ class ConformanceItem(pytest.Item):
             self.add_marker(pytest.mark.hal_conformance(feature))
 
     def runtest(self) -> None:
-        from hal.conformance import ConformanceFailure, Status, run_check
+        from hal.tools.conformance import ConformanceFailure, Status, run_check
 
         result = run_check(_backend(self.config), self.check)
         self.config.stash.setdefault(_RESULTS_KEY, []).append(result)
@@ -67,7 +67,7 @@ class ConformanceItem(pytest.Item):
             raise ConformanceFailure(result.detail)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        from hal.conformance import ConformanceFailure
+        from hal.tools.conformance import ConformanceFailure
 
         if isinstance(excinfo.value, ConformanceFailure):
             return f"{self.check.name}: {excinfo.value}"
@@ -86,7 +86,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     device = config.getoption("hal_device")
     if not device:
         return
-    from hal.conformance import build_suite
+    from hal.tools.conformance import build_suite
 
     _backend(config)  # fail fast, with one line, on an unknown or unavailable device
     prefix = f"hal-conformance[{device}{'-emulated' if config.getoption('hal_emulate') else ''}]"
@@ -100,7 +100,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     results = config.stash.get(_RESULTS_KEY, None)
     if not results:
         return
-    from hal.conformance import format_table
+    from hal.tools.conformance import format_table
 
     backend = _backend(config)
     terminalreporter.section(f"hal conformance: {backend.name} on {backend.device}")

@@ -11,7 +11,7 @@ alike and only the *ratio* is reported against a target:
   torch ops called directly (target: <= 2% overhead; CPU reference kernel only);
 - memory: split K/V bytes per token vs one buffer padded to max(head_dim, v_head_dim), for
   MiMo-V2-Flash's real dims;
-- with ``--spec``: plain greedy vs the MTP worker of ``speculative`` (imported only then).
+- with ``--speculative``: plain greedy vs the MTP worker of ``hal.speculative`` (imported only then).
 
 Writes ``results.md``, ``results.csv`` and ``results.png`` to ``--out``.
 """
@@ -37,6 +37,7 @@ from hal.errors import ResultMismatchError, UnsupportedConfigError
 from hal.metadata import build_metadata
 from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+from hal.tools.cli import backend_from_args
 
 # MiMo-V2-Flash attention (see the reference notes): 48 layers, 9 full + 39 SWA, qk 192 / v 128.
 MIMO_LAYERS, MIMO_FULL_LAYERS = 48, (0, 5, 11, 17, 23, 29, 35, 41, 47)
@@ -309,7 +310,8 @@ def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
 
 def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]] | None:
     """(forward through hal, the same ops called directly, metadata build) for one decode step."""
-    from backends.cpu.attention import CpuAttention, GatherWorkspace, paged_attention
+    from hal.backends.cpu.attention import CpuAttention
+    from hal.reference import GatherWorkspace, paged_attention
     from hal.kv_pool import copy_rows
 
     c, layer = s.cfg, s.layer()
@@ -411,9 +413,9 @@ def bench_memory() -> list[Measurement]:
 
 def bench_speculative(backend_device: str, emulate: bool, quick: bool) -> list[Measurement]:
     """Plain greedy vs the MTP worker (``speculative``), alternating runs, medians."""
-    from speculative import demo
-    from speculative.distill import DistillConfig, distill
-    from speculative.model import TinyConfig, TinyMiMo
+    from hal.tools import demo
+    from hal.speculative.distill import DistillConfig, distill
+    from hal.speculative.model import TinyConfig, TinyMiMo
 
     model = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=3))
     distill(model, DistillConfig())
@@ -451,7 +453,7 @@ def _pick_dtype(backend: Backend, cfg: BenchConfig) -> torch.dtype:
     raise UnsupportedConfigError(f"backend {backend.name!r} runs the benchmark layer in neither float32 nor bfloat16")
 
 
-def run_benchmarks(backend: Backend, cfg: BenchConfig, *, spec: bool = False, device: str = "cpu",
+def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = False, device: str = "cpu",
                    emulate: bool = False, quick: bool = False, log: Callable[[str], None] = print) -> list[Measurement]:
     """Every measurement, in table order."""
     dtype = _pick_dtype(backend, cfg)
@@ -461,7 +463,7 @@ def run_benchmarks(backend: Backend, cfg: BenchConfig, *, spec: bool = False, de
     results += [bench_attention(s, ForwardMode.DECODE), bench_attention(s, ForwardMode.EXTEND)]
     results += bench_dispatch(s)
     results += bench_memory()
-    if spec:
+    if speculative:
         results += bench_speculative(device, emulate, quick)
     return results
 
@@ -520,22 +522,8 @@ def _plot(results: Sequence[Measurement], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``hal bench``."""
-    parser.add_argument("--device", default="cpu", help="device string of the backend to benchmark (default: cpu)")
-    parser.add_argument("--emulate", action="store_true", help="install the backend's CPU emulator first")
-    parser.add_argument("--out", default="bench-results", type=Path, help="directory for results.md/.csv/.png (default: ./bench-results)")
-    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 15, quick 5)")
-    parser.add_argument("--spec", action="store_true",
-                        help="also time plain greedy vs the MTP worker (needs speculative; distils the MTP blocks once)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-
-
 def run(args: argparse.Namespace) -> int:
     """``hal bench``: print the table and write the result files; exit 0 (targets are reported, not enforced)."""
-    import hal
-
     if args.repeats is not None and args.repeats < 1:
         print(f"hal bench: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
@@ -551,8 +539,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     if args.repeats is not None:
         cfg = attrs.evolve(cfg, repeats=args.repeats)
-    backend = hal.get_backend(args.device, emulate=args.emulate)
-    results = run_benchmarks(backend, cfg, spec=args.spec, device=args.device, emulate=args.emulate, quick=args.quick)
+    backend = backend_from_args(args)
+    results = run_benchmarks(backend, cfg, speculative=args.speculative, device=args.device, emulate=args.emulate,
+                             quick=args.quick)
     title = (f"hal bench: {backend.name} on {backend.device}{' (emulated)' if args.emulate else ''}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, ratios: median of {cfg.repeats} paired samples")
     print(markdown_table(results))
@@ -568,7 +557,6 @@ __all__ = [
     "BenchConfig",
     "Measurement",
     "PairTiming",
-    "add_arguments",
     "bench_memory",
     "markdown_table",
     "mimo_pool_spec",

@@ -1,32 +1,15 @@
-"""Multi-layer EAGLE (MTP) speculative decoding and its plain greedy baseline, device-neutral.
+"""The engine half of hal's decoders: requests, the paged KV of the target, prefill, the generate
+loop, and ``GreedyDecoder`` (plain greedy decoding, the speed baseline and the lossless oracle).
 
-Both engines get their backend from ``hal.get_backend(device, emulate=...)`` and from it every
-KV pool, attention kernel and graph; nothing below knows which device it runs on.
-
-Speculative iteration (SGLang spec v2, chain drafts, see reference/mtp_algorithm.md §1.3):
-request ``b`` has ``L`` committed KV positions, its bonus token (the target's last prediction,
-not yet in the cache) and drafts ``d1..dS`` from the previous iteration.
-
-1. One ``TARGET_VERIFY`` target forward over ``[bonus, d1..dS]`` at positions ``L .. L + S``.
-2. Greedy chain acceptance: accept length ``a`` in ``1 .. S + 1``; the iteration emits the target's
-   tokens at rows ``0 .. a - 1`` and commits ``L += a``.
-3. ``S`` ``DRAFT_EXTEND_V2`` passes, MTP block ``k`` over the same ``S + 1`` rows with the target's
-   verify hidden states; the input ids start as the target's tokens and are rotated after every
-   step, and block ``k``'s token at row ``a - 1`` is the next iteration's ``d_{k+1}``.
-
-KV slots for ``L .. L + S`` are reserved ahead from the paged allocator; slots of rejected
-positions are simply overwritten by the next iteration, and a request's pages are freed when it
-finishes. The MTP blocks keep their KV in a pool of their own addressed by the target's slots.
-As in SGLang's fixed-window draft extend, MTP block ``k``'s KV at the ``k`` positions before the
-committed length was computed from draft tokens and is not rewritten if those drafts are later
-rejected; that costs draft quality only, never correctness, since the target verifies.
+Engines get their backend from ``hal.get_backend(device, emulate=...)`` and from it every KV pool,
+attention kernel and graph; nothing here knows which device it runs on. ``hal.speculative.mtp``
+builds the multi-layer EAGLE worker on ``TargetEngine``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import functools
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -38,8 +21,7 @@ from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
 from hal.protocols import AttentionKernel
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
-from speculative.chain import greedy_accept, rotate_input_ids
-from speculative.model import TinyMiMo
+from hal.speculative.model import TinyMiMo
 
 
 class KernelAttend:
@@ -62,7 +44,9 @@ class KernelAttend:
 
 
 @attrs.define
-class _Request:
+class Request:
+    """One prompt's state in a generate call: its output, committed KV length and pending drafts."""
+
     rid: int
     prompt: list[int]
     max_new_tokens: int
@@ -101,7 +85,7 @@ class GenerationResult:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else float("nan")
 
 
-class _TargetEngine:
+class TargetEngine:
     """Backend, hybrid target KV pool, allocator and prefill shared by both decoders.
 
     The model is moved to the backend's device in place. The KV pool holds ``max_batch_size``
@@ -183,7 +167,7 @@ class _TargetEngine:
         )
         return self.model.logits(hidden).argmax(-1), hidden
 
-    def _metadata(self, mode: ForwardMode, requests: Sequence[_Request], q_lens: Sequence[int]) -> AttentionMetadata:
+    def _metadata(self, mode: ForwardMode, requests: Sequence[Request], q_lens: Sequence[int]) -> AttentionMetadata:
         """Metadata for ``q_lens[b]`` new tokens of each request after its committed ones."""
         for r, q in zip(requests, q_lens):
             self.page_table.reserve(r.rid, r.committed + q)
@@ -199,7 +183,7 @@ class _TargetEngine:
 
     def _new_requests(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
-    ) -> list[_Request]:
+    ) -> list[Request]:
         if not prompts:
             raise SpecError("generate: no prompts given")
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -222,14 +206,14 @@ class _TargetEngine:
                     f"generate: prompt {i} needs {need} KV positions (prompt {len(prompt)} + {limit} new + "
                     f"{self.lookahead} draft), above max_seq_len={self.max_seq_len}"
                 )
-            requests.append(_Request(i, prompt, limit))
+            requests.append(Request(i, prompt, limit))
         return requests
 
-    def _finish(self, request: _Request) -> None:
+    def _finish(self, request: Request) -> None:
         if request.rid in self.page_table:
             self.page_table.release(request.rid)
 
-    def _prefill_target(self, requests: Sequence[_Request]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor]:
+    def _prefill_target(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor]:
         """EXTEND over every prompt (eager; ragged). Returns input ids, target hidden states, metadata,
         each request's last row and the target's next token there."""
         metadata = self._metadata(ForwardMode.EXTEND, requests, [len(r.prompt) for r in requests])
@@ -239,7 +223,7 @@ class _TargetEngine:
         next_tokens = self.model.logits(hidden[last_rows]).argmax(-1)
         return ids, hidden, metadata, last_rows, next_tokens
 
-    def _run(self, requests: list[_Request], eos_token_id: int | None) -> tuple[int, list[int]]:
+    def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
         raise NotImplementedError
 
     def generate(
@@ -268,7 +252,7 @@ class _TargetEngine:
         return GenerationResult(tuple(tuple(r.output) for r in requests), seconds, forwards, tuple(accept_lengths))
 
 
-class GreedyDecoder(_TargetEngine):
+class GreedyDecoder(TargetEngine):
     """Plain greedy decoding with the target alone (``DECODE`` graphs): the baseline and the lossless oracle."""
 
     def __init__(self, model: TinyMiMo, device: str = "cpu", **kwargs: object) -> None:
@@ -281,7 +265,7 @@ class GreedyDecoder(_TargetEngine):
             {"input_ids": ((), torch.int64)},
         )
 
-    def _run(self, requests: list[_Request], eos_token_id: int | None) -> tuple[int, list[int]]:
+    def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
         _, _, _, _, next_tokens = self._prefill_target(requests)
         for r, token in zip(requests, next_tokens.tolist()):
             r.committed = len(r.prompt)
@@ -300,115 +284,3 @@ class GreedyDecoder(_TargetEngine):
                     self._finish(r)
             active = [r for r in active if not r.finished]
         return forwards, []
-
-
-class MultiLayerEagleWorker(_TargetEngine):
-    """Multi-layer EAGLE with ``num_steps`` MTP blocks (one per draft step), chain drafts, greedy verify."""
-
-    def __init__(self, model: TinyMiMo, device: str = "cpu", *, num_steps: int = 3, **kwargs: object) -> None:
-        cfg = model.config
-        if not isinstance(num_steps, int) or not 1 <= num_steps <= cfg.num_mtp_layers:
-            raise SpecError(f"num_steps must be an int in 1..{cfg.num_mtp_layers} (the model's MTP blocks), got {num_steps!r}")
-        self.num_steps = num_steps
-        self.lookahead = num_steps
-        super().__init__(model, device, **kwargs)  # type: ignore[arg-type]
-        # The MTP blocks' own KV pool: one layer per block, the same page ids as the target's full pool.
-        target = self.target_pool.spec
-        mtp_spec = KVPoolSpec(
-            num_steps, target.size, target.page_size, cfg.swa_kv_heads, cfg.qk_head_dim, cfg.v_head_dim, target.dtype
-        )
-        self.mtp_pool = self.backend.create_kv_pool(mtp_spec)
-        self.mtp_attention = self.backend.create_attention(self.mtp_pool)
-        rows = num_steps + 1
-        self.verify_runner = self._graph_runner(
-            self._target_tokens_and_hidden,
-            self.target_attention,
-            ForwardMode.TARGET_VERIFY,
-            rows,
-            {"input_ids": ((), torch.int64)},
-        )
-        self.draft_runners = [
-            self._graph_runner(
-                functools.partial(self._draft_step, k),
-                self.mtp_attention,
-                ForwardMode.DRAFT_EXTEND_V2,
-                rows,
-                {"input_ids": ((), torch.int64), "hidden": ((cfg.hidden_size,), torch.float32)},
-            )
-            for k in range(num_steps)
-        ]
-
-    def _draft_step(self, step: int, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        return self._mtp_tokens(step, inputs["input_ids"], inputs["hidden"], metadata)
-
-    def _mtp_tokens(
-        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.model.mtp_hidden(
-            step, input_ids, target_hidden, metadata.positions, KernelAttend(self.mtp_attention, metadata)
-        )
-        return self.model.logits(hidden).argmax(-1)
-
-    @staticmethod
-    def _for_mtp_pool(metadata: AttentionMetadata, mode: ForwardMode) -> AttentionMetadata:
-        # The MTP pool has no SWA sub-pool: its layers read the full-pool block table.
-        return attrs.evolve(metadata, mode=mode, swa_block_table=None)
-
-    def _run(self, requests: list[_Request], eos_token_id: int | None) -> tuple[int, list[int]]:
-        self._prefill(requests, eos_token_id)
-        forwards, accept_lengths = 1, []
-        active = [r for r in requests if not r.finished]
-        while active:
-            forwards += 1
-            accept_lengths += self._step(active, eos_token_id)
-            active = [r for r in active if not r.finished]
-        return forwards, accept_lengths
-
-    def _prefill(self, requests: list[_Request], eos_token_id: int | None) -> None:
-        """Target EXTEND, then MTP block k over the prompts with the ids rotated k + 1 times: the first drafts."""
-        ids, hidden, metadata, last_rows, next_tokens = self._prefill_target(requests)
-        mtp_metadata = self._for_mtp_pool(metadata, ForwardMode.EXTEND)
-        attend = KernelAttend(self.mtp_attention, mtp_metadata)
-        ids = rotate_input_ids(ids, last_rows, next_tokens)
-        drafts = []
-        for k in range(self.num_steps):
-            h = self.model.mtp_hidden(k, ids, hidden, mtp_metadata.positions, attend)
-            drafts.append(self.model.logits(h[last_rows]).argmax(-1))
-            ids = rotate_input_ids(ids, last_rows, drafts[-1])
-        for r, token, d in zip(requests, next_tokens.tolist(), torch.stack(drafts, 1).tolist()):
-            r.committed = len(r.prompt)
-            r.drafts = d
-            r.emit([token], eos_token_id)
-            if r.finished:
-                self._finish(r)
-
-    def _step(self, active: list[_Request], eos_token_id: int | None) -> list[int]:
-        """One iteration for every active request; returns their accept lengths."""
-        accepted, targets, new_drafts = self._iteration(active)
-        for r, a, row, d in zip(active, accepted, targets, new_drafts):
-            r.committed += a
-            r.drafts = d
-            r.emit(row[:a], eos_token_id)
-            if r.finished:
-                self._finish(r)
-        return accepted
-
-    def _iteration(self, active: list[_Request]) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """One verify + draft-extend round; returns accept lengths, target tokens and next drafts (host)."""
-        b, rows = len(active), self.num_steps + 1
-        metadata = self._metadata(ForwardMode.TARGET_VERIFY, active, [rows] * b)
-        verify_ids = torch.tensor(
-            [[r.output[-1], *r.drafts] for r in active], dtype=torch.int64, device=self.device
-        ).view(-1)
-        drafts = verify_ids.view(b, rows)[:, 1:]
-        target_tokens, target_hidden = self.verify_runner.run({"input_ids": verify_ids}, metadata)
-        accept = greedy_accept(drafts, target_tokens.view(b, rows))
-        select_rows = torch.arange(b, device=self.device) * rows + accept - 1
-        draft_metadata = self._for_mtp_pool(metadata, ForwardMode.DRAFT_EXTEND_V2)
-        ids = target_tokens
-        new_drafts = []
-        for runner in self.draft_runners:
-            step_tokens = runner.run({"input_ids": ids, "hidden": target_hidden}, draft_metadata)
-            new_drafts.append(step_tokens[select_rows])
-            ids = rotate_input_ids(ids, select_rows, new_drafts[-1])
-        return accept.tolist(), target_tokens.view(b, rows).tolist(), torch.stack(new_drafts, 1).tolist()

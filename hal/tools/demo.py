@@ -12,37 +12,16 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
+import attrs
 import torch
 
-import hal
 from hal.errors import UnsupportedConfigError
-from speculative.distill import DistillConfig, distill
-from speculative.model import TinyConfig, TinyMiMo
-from speculative.worker import GreedyDecoder, MultiLayerEagleWorker
+from hal.speculative.distill import DistillConfig, DistillReport, distill
+from hal.speculative.model import TinyConfig, TinyMiMo
+from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
+from hal.tools.cli import backend_from_args
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="hal device string (default: cpu)")
-    parser.add_argument("--emulate", action="store_true", help="run the backend on its CPU emulator (e.g. npu)")
-    parser.add_argument("--num-steps", type=int, default=3, help="MTP draft steps S (default: 3)")
-    parser.add_argument("--train-steps", type=int, default=DistillConfig().steps, help="MTP distillation steps")
-    parser.add_argument(
-        "--train-sequences", type=int, default=DistillConfig().num_sequences, help="greedy continuations to distil on"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--batch-size", type=int, default=4, help="number of prompts")
-    parser.add_argument("--page-size", type=int, default=128, help="KV page size (128 is legal on every backend)")
-    parser.add_argument(
-        "--kv-dtype",
-        choices=["auto", *sorted(KV_DTYPES)],
-        default="auto",
-        help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0, help="model and prompt seed")
-    parser.add_argument("--no-cache", action="store_true", help="retrain the MTP blocks even if cached")
 
 
 def make_prompts(batch_size: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -88,20 +67,30 @@ def build_engines(
     raise AssertionError("unreachable")
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Run the demo; returns 0 when speculative output equals plain greedy output, 1 otherwise."""
+@attrs.frozen
+class DemoSetup:
+    """The distilled model and both decoders, as ``hal demo`` and the benchmarks build them."""
+
+    model: TinyMiMo
+    report: DistillReport
+    plain: GreedyDecoder
+    spec: MultiLayerEagleWorker
+    kv_dtype: torch.dtype
+
+
+def setup(
+    args: argparse.Namespace,
+    max_batch_size: int,
+    progress: Callable[[str, int, int, float | None], None] | None = None,
+) -> DemoSetup:
+    """From ``hal demo``'s options: threads, device check, the model with distilled MTP blocks, and
+    both decoders sized for ``max_batch_size`` prompts of ``args.max_new_tokens`` new tokens."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    hal.get_backend(args.device, emulate=args.emulate)  # an unknown or unavailable device fails before training
+    backend_from_args(args)  # an unknown or unavailable device fails before training
     model = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
-    report = distill(
-        model,
-        DistillConfig(steps=args.train_steps, num_sequences=args.train_sequences),
-        use_cache=not args.no_cache,
-        progress=_progress_printer(out),
-    )
-    where = f"loaded from {report.cache_path}" if report.from_cache else f"trained in {report.seconds:.1f}s"
-    print(f"MTP blocks: {where}", file=out)
+    overrides = {k: v for k, v in (("steps", args.train_steps), ("num_sequences", args.train_sequences)) if v is not None}
+    report = distill(model, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
     plain, spec, kv_dtype = build_engines(
         model,
         args.device,
@@ -109,9 +98,18 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         args.kv_dtype,
         emulate=args.emulate,
         page_size=args.page_size,
-        max_batch_size=args.batch_size,
-        max_seq_len=16 + 3 * args.batch_size + args.max_new_tokens + args.num_steps + 1,
+        max_batch_size=max_batch_size,
+        max_seq_len=16 + 3 * max_batch_size + args.max_new_tokens + args.num_steps + 1,
     )
+    return DemoSetup(model, report, plain, spec, kv_dtype)
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Run the demo; returns 0 when speculative output equals plain greedy output, 1 otherwise."""
+    demo = setup(args, args.batch_size, progress=_progress_printer(out))
+    model, report, plain, spec, kv_dtype = demo.model, demo.report, demo.plain, demo.spec, demo.kv_dtype
+    where = f"loaded from {report.cache_path}" if report.from_cache else f"trained in {report.seconds:.1f}s"
+    print(f"MTP blocks: {where}", file=out)
     prompts = make_prompts(args.batch_size, model.config.vocab_size, args.seed)
     # One untimed warm-up each, so graph capture and first-call costs stay out of the figures.
     plain.generate(prompts[:1], 2)

@@ -1,0 +1,391 @@
+"""FIA v2 (``npu_fused_infer_attention_score_v2``): argument checks (npu_ops_spec.md §1.3-1.7, §1.9,
+§1.10, §1.12), the reference computation (§1.8) and the ``torch.library`` op graph capture sees."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from hal.backends.npu.emulator.errors import fail
+
+INT_MAX = 2147483647
+TEMPLATE_MASK_SIZE = 2048  # sparse modes 2/3/4 take this "compressed" template mask
+
+# input_layout -> query.dim()
+_LAYOUT_QUERY_DIM = {
+    "BSH": 3, "BSND": 4, "BNSD": 4, "TND": 3, "NTD": 3, "NSD": 3,
+    "BNSD_BSND": 4, "BSH_BNSD": 3, "BSND_BNSD": 4,
+    "BSH_NBSD": 3, "BSND_NBSD": 4, "BNSD_NBSD": 4, "TND_NTD": 3, "NTD_TND": 3,
+}  # fmt: skip
+_TND_FAMILY = ("TND", "NTD", "TND_NTD", "NTD_TND")
+_SINK_LAYOUTS = ("TND", "NTD_TND")
+_MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+_QUERY_DTYPES = (torch.float16, torch.bfloat16)
+# (qk head dim, v head dim) pairs TND accepts without rope (§1.10).
+TND_HEAD_DIMS = frozenset({(128, 128), (192, 128), (192, 192)})
+SINK_QK_HEAD_DIMS = frozenset({64, 128, 192})
+MAX_SINK_V_HEAD_DIM = 128
+MAX_TND_BATCH = 4096
+MAX_GQA_RATIO = 64
+MAX_HEADS = 256
+MAX_KV_HIDDEN = 65535
+_UNEMULATED_TENSORS = (
+    "pse_shift", "dequant_scale_query", "dequant_scale_key", "dequant_offset_key", "dequant_scale_value",
+    "dequant_offset_value", "dequant_scale_key_rope", "quant_scale_out", "quant_offset_out",
+)  # fmt: skip
+_UNEMULATED_DTYPES = (
+    "query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_rope_dtype", "key_shared_prefix_dtype",
+    "value_shared_prefix_dtype", "dequant_scale_query_dtype", "dequant_scale_key_dtype",
+    "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype",
+)  # fmt: skip
+
+_FIA_SCHEMA = (
+    "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, "
+    "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, "
+    "SymInt[]? actual_seq_qlen=None, SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, "
+    "Tensor? dequant_scale_query=None, Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, "
+    "Tensor? dequant_scale_value=None, Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, "
+    "Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, Tensor? learnable_sink=None, "
+    "int num_query_heads=1, int num_key_value_heads=0, float softmax_scale=1.0, "
+    "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
+    "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
+    "int inner_precise=0, bool return_softmax_lse=False, "
+    + ", ".join(f"int? {name}=None" for name in _UNEMULATED_DTYPES)
+    + ") -> (Tensor, Tensor)"
+)
+
+
+@attrs.frozen
+class FiaPlan:
+    """What a validated FIA v2 call computes (TND, paged KV)."""
+
+    q_starts: tuple[int, ...]  # per request, into the query's T axis
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    block_size: int
+    cache_4d: bool  # (blocks, N_kv, block_size, D) instead of (blocks, block_size, N_kv * D)
+    sparse_mode: int
+    pre_tokens: int
+    next_tokens: int
+    softmax_scale: float
+    return_softmax_lse: bool
+
+
+_template_checked: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
+
+
+def _check_template_mask(mask: torch.Tensor) -> None:
+    key = (mask.data_ptr(), mask._version, mask.dtype, mask.device)
+    if key not in _template_checked:
+        plane = mask.reshape(TEMPLATE_MASK_SIZE, TEMPLATE_MASK_SIZE) != 0
+        expect = torch.ones(TEMPLATE_MASK_SIZE, TEMPLATE_MASK_SIZE, dtype=torch.bool, device=mask.device).triu(1)
+        if len(_template_checked) > 64:
+            _template_checked.clear()
+        _template_checked[key] = bool(torch.equal(plane, expect))
+    if not _template_checked[key]:
+        fail(
+            "atten_mask for sparse_mode 2/3/4 must be the 2048x2048 template triu(ones, diagonal=1) "
+            "(True/1 = masked above the diagonal); the kernel builds the real pattern from the lengths"
+        )
+
+
+def _int_list(name: str, value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            fail(f"{name} must be a list of ints or a 1-D tensor, got a {value.dim()}-D tensor")
+        return [int(x) for x in value.tolist()]
+    return [int(x) for x in value]
+
+
+def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> FiaPlan:
+    """Validate one FIA v2 call the way the op-plugin adapter and CANN checkers do; return its plan."""
+    layout = kw.get("input_layout", "BSH")
+    if layout not in _LAYOUT_QUERY_DIM:
+        fail(f"layout only support {', '.join(_LAYOUT_QUERY_DIM)}; got input_layout={layout!r}")
+    if query.dim() != _LAYOUT_QUERY_DIM[layout]:
+        fail(
+            f"query's dim should be consistent with that of Layout: input_layout={layout!r} needs "
+            f"{_LAYOUT_QUERY_DIM[layout]}-D, got query of shape {tuple(query.shape)}"
+        )
+    n_q = int(kw.get("num_query_heads", 1))
+    n_kv = int(kw.get("num_key_value_heads", 0)) or n_q
+    if n_q <= 0:
+        fail(f"num_query_heads must be > 0, got {n_q}")
+    if n_kv < 0 or n_q % n_kv:
+        fail(f"num_query_heads={n_q} must be a multiple of num_key_value_heads={n_kv}")
+    if n_q // n_kv > MAX_GQA_RATIO:
+        fail(f"num_query_heads / num_key_value_heads = {n_q // n_kv} exceeds {MAX_GQA_RATIO}")
+    if n_q > MAX_HEADS:
+        fail(f"num_query_heads={n_q} exceeds {MAX_HEADS}")
+
+    if (kw.get("query_rope") is None) != (kw.get("key_rope") is None):
+        fail("query_rope and key_rope must be given together")
+    for name in ("query_rope", *_UNEMULATED_TENSORS, *_UNEMULATED_DTYPES):
+        if kw.get(name) is not None:
+            raise NotImplementedError(f"the torch_npu emulator does not implement FIA v2 {name}")
+    for name in ("query_quant_mode", "key_quant_mode", "value_quant_mode"):
+        if kw.get(name, 0) != 0:
+            raise NotImplementedError(f"the torch_npu emulator does not implement FIA v2 {name}={kw[name]}")
+
+    block_table = kw.get("block_table")
+    paged = block_table is not None
+    if query.dtype == torch.int8 and paged:
+        fail("Page Attention does not support an int8 query")
+    if query.dtype not in _QUERY_DTYPES:
+        fail(f"query dtype must be float16 or bfloat16 (non-quantised FIA), got {query.dtype}")
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            fail(f"{name} dtype {x.dtype} must equal the query dtype {query.dtype} without quantisation")
+    tensors = {"query": query, "key": key, "value": value}
+    tensors.update({n: kw[n] for n in ("atten_mask", "block_table", "learnable_sink") if kw.get(n) is not None})
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        fail(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+    sparse_mode = int(kw.get("sparse_mode", 0))
+    mask = kw.get("atten_mask")
+    if sparse_mode in (5, 6, 7, 8):
+        fail(f"sparse_mode={sparse_mode} (prefix/global/dilated/block_local) is not supported by FIA")
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        fail(f"sparse_mode must be in 0..4, got {sparse_mode}")
+    if sparse_mode != 0 and mask is None:
+        fail(f"atten_mask should not be null when sparse_mode={sparse_mode}")
+    if mask is not None:
+        if mask.dtype not in _MASK_DTYPES:
+            fail(f"atten_mask dtype must be bool, int8 or uint8, got {mask.dtype}")
+        if mask.dim() not in (2, 3, 4):
+            fail(f"atten_mask must be 2-, 3- or 4-D, got shape {tuple(mask.shape)}")
+        if sparse_mode in (2, 3, 4):
+            ok = tuple(mask.shape) in (
+                (TEMPLATE_MASK_SIZE,) * 2, (1, *(TEMPLATE_MASK_SIZE,) * 2), (1, 1, *(TEMPLATE_MASK_SIZE,) * 2)
+            )  # fmt: skip
+            if not ok:
+                fail(
+                    f"sparse_mode={sparse_mode} needs a (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048) "
+                    f"atten_mask, got {tuple(mask.shape)}"
+                )
+            _check_template_mask(mask)
+    pre, nxt = int(kw.get("pre_tokens", INT_MAX)), int(kw.get("next_tokens", INT_MAX))
+    if pre + nxt < 0:
+        fail(
+            f"Nexttoken line should be higher than pretoken line: pre_tokens={pre} + next_tokens={nxt} must be >= 0"
+        )
+
+    inner_precise = int(kw.get("inner_precise", 0))
+    if inner_precise not in (0, 1, 2, 3):
+        fail(f"inner_precise must be in 0..3, got {inner_precise}")
+    sink = kw.get("learnable_sink")
+    if sink is not None:
+        if sink.dtype != torch.bfloat16:
+            fail(f"learnable_sink must be bfloat16, got {sink.dtype}")
+        if tuple(sink.shape) != (n_q,):
+            fail(f"learnable_sink must have shape (num_query_heads,) = ({n_q},), got {tuple(sink.shape)}")
+        if layout not in _SINK_LAYOUTS:
+            fail(f"learnable_sink is only supported with input_layout TND or NTD_TND, got {layout!r}")
+        if inner_precise != 0:
+            fail(f"learnable_sink needs inner_precise=0 (high precision), got {inner_precise}")
+
+    if layout != "TND":
+        raise NotImplementedError(f"the torch_npu emulator computes input_layout='TND' only, got {layout!r}")
+    if query.shape[1] != n_q:
+        fail(f"TND query has {query.shape[1]} heads but num_query_heads={n_q}")
+    t, d = query.shape[0], query.shape[2]
+
+    if kw.get("actual_seq_qlen") is None:
+        fail("input_layout TND requires actual_seq_qlen (cumulative query end offsets)")
+    q_cum = _int_list("actual_seq_qlen", kw["actual_seq_qlen"])
+    b = len(q_cum)
+    if b == 0 or b > MAX_TND_BATCH:
+        fail(f"TND actual_seq_qlen must have 1..{MAX_TND_BATCH} entries, got {b}")
+    if any(x < 0 for x in q_cum):
+        fail(f"actual_seq_qlen must not contain negative values, got {q_cum}")
+    if any(later < earlier for earlier, later in itertools.pairwise(q_cum)):
+        fail(
+            f"TND actual_seq_qlen must be cumulative (non-decreasing prefix-sum end offsets), got {q_cum}; "
+            "per-request lengths are not accepted in TND"
+        )
+    if q_cum[-1] != t:
+        fail(f"TND actual_seq_qlen[-1]={q_cum[-1]} must equal the query's T={t} (sum of query lengths)")
+    q_starts = (0, *q_cum[:-1])
+    q_lens = tuple(e - s for s, e in zip(q_starts, q_cum))
+
+    if not paged:
+        raise NotImplementedError("the torch_npu emulator computes paged attention (block_table given) only")
+    if kw.get("actual_seq_kvlen") is None:
+        fail("Page Attention requires actual_seq_kvlen (per-request KV lengths)")
+    kv_lens = _int_list("actual_seq_kvlen", kw["actual_seq_kvlen"])
+    if len(kv_lens) != b:
+        fail(f"actual_seq_kvlen has {len(kv_lens)} entries, actual_seq_qlen defines B={b}")
+    if any(x < 0 for x in kv_lens):
+        fail(f"actual_seq_kvlen must not contain negative values, got {kv_lens}")
+    assert block_table is not None
+    if block_table.dtype != torch.int32:
+        fail(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or 0 in block_table.shape:
+        fail(f"block_table must be 2-D without a 0 dim, got shape {tuple(block_table.shape)}")
+    if block_table.shape[0] != b:
+        fail(f"block_table has {block_table.shape[0]} rows for B={b}")
+
+    block_size = int(kw.get("block_size", 0))
+    max_q = max(q_lens)
+    if block_size <= 0:
+        fail(f"block_size must be > 0 with Page Attention, got {block_size}")
+    if d in (64, 128):
+        rule, ok = "a multiple of 16 in [16, 1024]", block_size % 16 == 0 and block_size <= 1024
+    elif max_q > 1:
+        rule, ok = "a multiple of 128 in [128, 512]", block_size % 128 == 0 and block_size <= 512
+    else:
+        rule, ok = "a multiple of 16 in [16, 512]", block_size % 16 == 0 and block_size <= 512
+    if not ok:
+        fail(f"block_size={block_size} is invalid for head dim {d} with query length {max_q}: must be {rule}")
+    need_blocks = max(-(-n // block_size) for n in kv_lens)
+    if block_table.shape[1] < need_blocks:
+        fail(
+            f"block_table has {block_table.shape[1]} columns, fewer than maxBlockNumPerSeq={need_blocks} "
+            f"(max actual_seq_kvlen {max(kv_lens)} / block_size {block_size})"
+        )
+
+    if value.dim() not in (3, 4, 5):
+        fail(f"when Page Attention enabled, value's dim should be 3/4/5, got shape {tuple(value.shape)}")
+    if key.dim() != value.dim():
+        fail(f"key and value caches must have the same rank, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.dim() == 5:
+        raise NotImplementedError("the torch_npu emulator does not implement the 5-D NZ KV cache")
+    cache_4d = key.dim() == 4
+    if cache_4d:
+        want_k = (key.shape[0], n_kv, block_size, d)
+        if tuple(key.shape) != want_k:
+            fail(f"4-D key cache must be (blocks, N_kv={n_kv}, block_size={block_size}, D={d}), got {tuple(key.shape)}")
+        if tuple(value.shape[:3]) != want_k[:3]:
+            fail(f"4-D value cache must be (blocks, {n_kv}, {block_size}, Dv), got {tuple(value.shape)}")
+        dv = value.shape[3]
+    else:
+        if key.shape[1] != block_size or key.shape[2] != n_kv * d:
+            fail(
+                f"3-D key cache must be (blocks, block_size={block_size}, N_kv*D={n_kv * d}), got {tuple(key.shape)}"
+            )
+        if value.shape[0] != key.shape[0] or value.shape[1] != block_size or value.shape[2] % n_kv:
+            fail(
+                f"3-D value cache must be ({key.shape[0]}, block_size={block_size}, N_kv*Dv), got {tuple(value.shape)}"
+            )
+        dv = value.shape[2] // n_kv
+    if n_kv * d > MAX_KV_HIDDEN:
+        fail(f"N_kv * D = {n_kv * d} exceeds {MAX_KV_HIDDEN}")
+    if (d, dv) not in TND_HEAD_DIMS:
+        fail(
+            f"TND without rope needs (qk, v) head dims in {sorted(TND_HEAD_DIMS)}, got ({d}, {dv})"
+        )
+    if sink is not None:
+        if d not in SINK_QK_HEAD_DIMS:
+            fail(f"learnable_sink needs a qk head dim in {sorted(SINK_QK_HEAD_DIMS)}, got {d}")
+        if dv > MAX_SINK_V_HEAD_DIM:
+            fail(f"learnable_sink needs a v head dim <= {MAX_SINK_V_HEAD_DIM}, got {dv}")
+    if sparse_mode in (1, 2) or (sparse_mode == 0 and mask is not None):
+        fail(f"input_layout TND supports sparse_mode 0 (no mask), 3 or 4, got {sparse_mode} (mask given: {mask is not None})")
+    if sparse_mode == 3:
+        bad = [i for i, (q, kv) in enumerate(zip(q_lens, kv_lens)) if q > kv]
+        if bad:
+            i = bad[0]
+            fail(
+                f"TND with sparse_mode=3 needs actual query length <= actual_seq_kvlen per request; "
+                f"request {i} has {q_lens[i]} query tokens and kv length {kv_lens[i]}"
+            )
+    return FiaPlan(
+        q_starts=q_starts,
+        q_lens=q_lens,
+        kv_lens=tuple(kv_lens),
+        num_q_heads=n_q,
+        num_kv_heads=n_kv,
+        head_dim=d,
+        v_head_dim=dv,
+        block_size=block_size,
+        cache_4d=cache_4d,
+        sparse_mode=sparse_mode,
+        pre_tokens=pre,
+        next_tokens=nxt,
+        softmax_scale=float(kw.get("softmax_scale", 1.0)),
+        return_softmax_lse=bool(kw.get("return_softmax_lse", False)),
+    )
+
+
+def _allowed_keys(plan: FiaPlan, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] True where query row i attends key j (§1.7, bottom-right origin per request)."""
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    diag = i + (kv_len - q_len)
+    if plan.sparse_mode == 3:
+        return j <= diag
+    if plan.sparse_mode == 4:
+        return (j >= diag - plan.pre_tokens) & (j <= diag + plan.next_tokens)
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+
+
+def fia_v2_reference(
+    plan: FiaPlan,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_table: torch.Tensor,
+    learnable_sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CANN golden for one validated call: per request, fp32 math, output in the query dtype."""
+    t = query.shape[0]
+    n_q, n_kv, d, dv, bs = plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.v_head_dim, plan.block_size
+    group = n_q // n_kv
+    out = torch.zeros((t, n_q, dv), dtype=query.dtype, device=query.device)
+    lse = torch.full((t, n_q, 1), math.inf, dtype=torch.float32, device=query.device)
+    if plan.cache_4d:
+        k_cache, v_cache = key.transpose(1, 2), value.transpose(1, 2)  # -> (blocks, bs, N_kv, D)
+    else:
+        k_cache = key.reshape(key.shape[0], bs, n_kv, d)
+        v_cache = value.reshape(value.shape[0], bs, n_kv, dv)
+    sink = None if learnable_sink is None else learnable_sink.float()
+    for b, (start, q_len, kv_len) in enumerate(zip(plan.q_starts, plan.q_lens, plan.kv_lens)):
+        if q_len == 0 or kv_len == 0:
+            continue  # no query rows, or no keys: output stays 0
+        n_blocks = -(-kv_len // bs)
+        blocks = block_table[b, :n_blocks].long()
+        keys = k_cache[blocks].reshape(n_blocks * bs, n_kv, d)[:kv_len].float()
+        values = v_cache[blocks].reshape(n_blocks * bs, n_kv, dv)[:kv_len].float()
+        keys = keys.repeat_interleave(group, dim=1)  # query head h uses kv head h // group
+        values = values.repeat_interleave(group, dim=1)
+        q = query[start : start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * plan.softmax_scale
+        allowed = _allowed_keys(plan, q_len, kv_len, query.device)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        if sink is not None:  # one extra, unscaled logit per head: only enlarges the denominator
+            scores = torch.cat([scores, sink.view(n_q, 1, 1).expand(n_q, q_len, 1)], dim=-1)
+        row_max = scores.amax(-1, keepdim=True)
+        dead = torch.isinf(row_max) & (row_max < 0)  # fully masked rows (and no sink)
+        row_max = torch.where(dead, torch.zeros_like(row_max), row_max)
+        weights = torch.exp(scores - row_max)
+        denom = weights.sum(-1, keepdim=True)
+        probs = weights / torch.where(dead, torch.ones_like(denom), denom)
+        ctx = torch.einsum("hqk,khd->qhd", probs[..., :kv_len], values)
+        out[start : start + q_len] = ctx.to(query.dtype)
+        row_lse = torch.where(dead, torch.full_like(denom, math.inf), row_max + torch.log(denom))
+        lse[start : start + q_len] = row_lse.permute(1, 0, 2)
+    if not plan.return_softmax_lse:
+        lse = torch.empty(0, dtype=torch.float32, device=query.device)
+    return out, lse
+
+
+def _fia_v2_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = check_fia_v2(query, key, value, **kw)
+    return fia_v2_reference(plan, query, key, value, kw["block_table"], kw.get("learnable_sink"))
+
+
+_OP_NAMESPACE = "hal_npu_emulator"
+_LIBRARY = torch.library.Library(_OP_NAMESPACE, "DEF")
+_LIBRARY.define(_FIA_SCHEMA)
+_LIBRARY.impl("npu_fused_infer_attention_score_v2", _fia_v2_kernel, "CompositeExplicitAutograd")
+FIA_V2 = getattr(torch.ops, _OP_NAMESPACE).npu_fused_infer_attention_score_v2
+HANDLED_OPS = frozenset({FIA_V2.default})

@@ -1,0 +1,75 @@
+"""``BackendBase``: the backend bundle with defaults, so a backend states only what differs.
+
+A backend names its classes (``kv_pool_class``, ``attention_class``, ``graph_class``), says how
+it finds its hardware (``probe``) and, where they are not no-ops, how it synchronizes and which
+memory pool its graphs share. ``is_available`` and the three factories come from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from hal.graph import EagerGraph, GraphBase
+from hal.kv_pool import SplitKVPool
+from hal.protocols import Availability, AttentionKernel, KVPool
+from hal.spec import KVPoolSpec
+
+
+class BackendBase:
+    """Base class of ``Backend`` implementations, constructed by the registry as ``cls(index=...)``.
+
+    ``auto_priority``: where ``hal.get_backend("auto")`` tries this backend (higher first; the
+    built-in ones are npu 300, cuda 200, cpu 0). ``None`` keeps it out of ``"auto"``: it is used
+    only when named. Threading: a backend and the pools it creates may be shared across threads;
+    see ``AttentionKernelBase`` and ``GraphBase`` for kernels and graphs.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    collective_backend: ClassVar[str] = "gloo"  # hccl / nccl / gloo
+    auto_priority: ClassVar[int | None] = None
+    kv_pool_class: ClassVar[type[SplitKVPool]] = SplitKVPool
+    attention_class: ClassVar[type[Any]]
+    graph_class: ClassVar[type[GraphBase]] = EagerGraph
+
+    def __init__(self, index: int | None = None) -> None:
+        self.index = index
+        self.device = self._tensor_device(index)
+
+    def _tensor_device(self, index: int | None) -> torch.device:
+        """Where this backend's tensors live (default: ``device_type[:index]``)."""
+        return torch.device(self.device_type, index) if index is not None else torch.device(self.device_type)
+
+    @classmethod
+    def probe(cls) -> Availability:
+        """Cheap availability check: no device work, no eager import of the vendor runtime."""
+        raise NotImplementedError(f"{cls.__name__} must implement probe()")
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """``probe().available``."""
+        return cls.probe().available
+
+    def create_kv_pool(self, spec: KVPoolSpec) -> KVPool:
+        """A split-K/V paged pool of ``kv_pool_class`` on this backend's device."""
+        return self.kv_pool_class(spec, self.device)
+
+    def create_attention(self, pool: KVPool) -> AttentionKernel:
+        """An ``attention_class`` kernel over ``pool``."""
+        return self.attention_class(pool)  # type: ignore[no-any-return]
+
+    def create_graph(self) -> GraphBase:
+        """A fresh, uncaptured ``graph_class`` graph."""
+        return self.graph_class()
+
+    def graph_memory_pool(self) -> Any:
+        """A memory-pool handle the graphs of one runner share (None: the runtime has none)."""
+        return None
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (a no-op where work runs synchronously)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device})"

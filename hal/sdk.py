@@ -1,0 +1,75 @@
+"""Everything a backend author needs, in one module; a backend imports from here and nowhere else.
+
+Adding a backend (device type ``mydev``; ``tests/oot_backend/site/hal_oot_example`` is a complete one):
+
+1. **Pool**: subclass ``SplitKVPool``; override ``_allocate(shape)`` and ``_write_rows(buffer, loc,
+   rows)`` only where your memory or write op differs. Layout, SWA mapping and validation come with it.
+2. **Kernel**: subclass ``AttentionKernelBase`` and implement ``_attend(q, layer, metadata, sinks)``;
+   ``forward`` validates every argument, calls your ``check_supported`` (raise
+   ``UnsupportedConfigError`` for what your op lacks), writes K/V, then calls ``_attend``. Route
+   SWA layers with ``self.block_table(layer, metadata)``. Set ``seq_len_fill_value``.
+3. **Host-side op arguments** (like FIA's ``actual_seq_kvlen``, baked into a captured op): call
+   ``self.record_updatable_call(layer)`` where each such op is issued and return its arguments from
+   ``updatable_params(metadata, layer)``. Kernels that read only device tensors do neither.
+4. **Graph**: subclass ``GraphBase`` and implement ``_capture(fn, memory_pool)`` and
+   ``_replay(host_params)`` (one mapping per captured call; set ``takes_host_params = True`` if your
+   graph applies them). Capture span, warm-up, TP barrier and buffer copies come with it. Without
+   a graph runtime use ``EagerGraph``.
+5. **Backend**: subclass ``BackendBase``: ``name``, ``device_type``, ``collective_backend``,
+   ``kv_pool_class``, ``attention_class``, ``graph_class``, a cheap ``probe()`` that never imports
+   the vendor runtime eagerly, ``auto_priority`` if ``"auto"`` may pick it; override
+   ``synchronize``/``graph_memory_pool`` where they are not no-ops. Optional
+   ``install_emulation()`` classmethod for ``emulate=True``.
+6. **Register** it from your distribution's ``pyproject.toml``::
+
+       [project.entry-points."hal.backends"]
+       mydev = "my_package.backend:MyBackend"
+
+   or at run time: ``hal.register_backend("mydev", "my_package.backend:MyBackend")``.
+7. **Check** it: ``hal info`` (availability and why), then ``hal conformance --device mydev``.
+"""
+
+from hal.attention import AttentionKernelBase
+from hal.backend import BackendBase
+from hal.errors import (
+    BackendUnavailableError,
+    CacheLocationError,
+    GraphError,
+    HalError,
+    KVLayoutError,
+    SpecError,
+    UnsupportedConfigError,
+)
+from hal.graph import EagerGraph, GraphBase, GraphUpdate, copy_into, is_capturing
+from hal.kv_pool import SplitKVPool, copy_rows
+from hal.metadata import AttentionMetadata
+from hal.protocols import Availability, KVPool
+from hal.reference import GatherWorkspace, paged_attention
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
+
+__all__ = [
+    "AttentionKernelBase",
+    "AttentionMetadata",
+    "Availability",
+    "BackendBase",
+    "BackendUnavailableError",
+    "CacheLocationError",
+    "EagerGraph",
+    "ForwardMode",
+    "GatherWorkspace",
+    "GraphBase",
+    "GraphError",
+    "GraphUpdate",
+    "HalError",
+    "KVLayoutError",
+    "KVPool",
+    "KVPoolSpec",
+    "LayerSpec",
+    "SpecError",
+    "SplitKVPool",
+    "UnsupportedConfigError",
+    "copy_into",
+    "copy_rows",
+    "is_capturing",
+    "paged_attention",
+]

@@ -1,0 +1,134 @@
+"""The ``hal`` command: ``info``, ``demo``, ``conformance``, ``bench``.
+
+The parser (every command's options) is defined here and imports nothing heavy, so ``hal --help``,
+``hal CMD --help`` and ``hal --version`` never import torch; a command's implementation module is
+imported only when that command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import hal
+from hal.errors import BackendUnavailableError, HalError
+
+DEVICE_HELP = "hal device string: cpu, npu, npu:1, cuda, auto, or a plug-in's type (default: cpu)"
+
+
+def _device_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    parser.add_argument("--emulate", action="store_true", help="run the backend on its CPU emulator (npu, cuda)")
+
+
+def _threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _info_options(parser: argparse.ArgumentParser) -> None:
+    """``hal info`` takes no options."""
+
+
+def add_demo_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``hal demo`` (also taken by benchmarks/spec_decode.py)."""
+    _device_options(parser)
+    parser.add_argument("--num-steps", type=int, default=3, help="MTP draft steps S (default: 3)")
+    parser.add_argument("--train-steps", type=int, default=None, help="MTP distillation steps (default: DistillConfig's)")
+    parser.add_argument("--train-sequences", type=int, default=None,
+                        help="greedy continuations to distil on (default: DistillConfig's)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--batch-size", type=int, default=4, help="number of prompts")
+    parser.add_argument("--page-size", type=int, default=128, help="KV page size (128 is legal on every backend)")
+    parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                        help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
+    _threads_option(parser)
+    parser.add_argument("--seed", type=int, default=0, help="model and prompt seed")
+    parser.add_argument("--no-cache", action="store_true", help="retrain the MTP blocks even if cached")
+
+
+def _conformance_options(parser: argparse.ArgumentParser) -> None:
+    _device_options(parser)
+    parser.add_argument("--quick", action="store_true", help="a covering subset: every feature, fewer shapes (for slow emulators)")
+    parser.add_argument("-k", "--select", action="append", default=[], metavar="TEXT",
+                        help="only checks whose name or feature contains TEXT (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the checks and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every check as it finishes")
+
+
+def _bench_options(parser: argparse.ArgumentParser) -> None:
+    _device_options(parser)
+    parser.add_argument("--out", default="bench-results", type=Path, help="directory for results.md/.csv/.png (default: ./bench-results)")
+    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 15, quick 5)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="also time plain greedy vs the MTP worker (distils the MTP blocks once)")
+    _threads_option(parser)
+
+
+# command -> (implementation module with run(args) -> int, help, options)
+COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
+    "info": ("hal.tools.info", "list registered backends, their availability and versions", _info_options),
+    "demo": ("hal.tools.demo", "run the tiny MiMo-V2-style model with and without MTP speculative decoding", add_demo_options),
+    "conformance": ("hal.tools.conformance.command", "run the conformance suite against a backend", _conformance_options),
+    "bench": ("hal.tools.bench", "benchmark a backend against plain torch baselines", _bench_options),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hal`` parser with one sub-command per entry of ``COMMANDS`` (imports no implementation)."""
+    parser = argparse.ArgumentParser(prog="hal", description="hal: hardware abstraction layer for LLM inference engines")
+    parser.add_argument("--version", action="version", version=f"hal {hal.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text, add_options) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        add_options(p)
+    return parser
+
+
+def backend_from_args(args: argparse.Namespace) -> Any:
+    """``hal.get_backend(args.device, emulate=args.emulate)``; an unavailable device that has an
+    emulator gets an error saying that ``--emulate`` runs it here."""
+    from hal.registry import get_backend, has_emulator, parse_device
+
+    try:
+        return get_backend(args.device, emulate=args.emulate)
+    except BackendUnavailableError as exc:
+        device_type, _ = parse_device(args.device)
+        if args.emulate or not has_emulator(device_type):
+            raise
+        raise BackendUnavailableError(f"{exc} (or add --emulate to run it here on its CPU emulator)") from exc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; hal and file-system errors become a one-line message and exit code 1."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        module = importlib.import_module(args._module)
+    except ImportError as exc:  # an optional dependency of this command only; hal's own modules must import
+        if (exc.name or "").partition(".")[0] == "hal":
+            raise
+        print(f"hal {args.command}: unavailable ({exc})", file=sys.stderr)
+        return 3
+    try:
+        return int(module.run(args) or 0)
+    except HalError as exc:
+        print(f"hal {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. an output directory that cannot be written
+        print(f"hal {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Attention checks: every forward mode crossed with window, sinks, hybrid pools, GQA, head dims, page
+sizes and dtypes, each against the CPU reference on identical pool contents."""
+
+from __future__ import annotations
+
+
+import attrs
+import torch
+
+from hal.protocols import Backend
+from hal.spec import ForwardMode, LayerSpec
+from hal.tools.testing import AttentionCase, run_attention_case
+from hal.tools.conformance.framework import Check, dtype_name, fail
+
+
+@attrs.frozen
+class _AttentionProfile:
+    dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+    q_heads: int
+    kv_heads: int
+    page_size: int
+
+
+# The generic shapes every kernel should take, then the shapes Ascend FIA accepts
+# (bf16/fp16, D 128 or 192/128, page sizes by its block-size rules) so each backend meets
+# every feature in a configuration it can run.
+ATTENTION_PROFILES = (
+    _AttentionProfile(torch.float32, 64, 32, 4, 1, 16),
+    _AttentionProfile(torch.float16, 48, 40, 6, 3, 16),
+    _AttentionProfile(torch.bfloat16, 128, 128, 8, 2, 16),
+    _AttentionProfile(torch.float16, 128, 128, 4, 4, 64),
+    _AttentionProfile(torch.bfloat16, 192, 128, 8, 1, 128),
+)
+QUICK_PROFILES = (ATTENTION_PROFILES[0], ATTENTION_PROFILES[2], ATTENTION_PROFILES[3], ATTENTION_PROFILES[4])
+MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
+VARIANTS = ("plain", "sinks", "window", "hybrid window + sinks")
+
+
+def _case_shapes(mode: ForwardMode, ps: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ragged batches crossing page edges; EXTEND includes a prefill without prefix."""
+    long, spec_tokens = 2 * ps + 3, 4
+    shapes = {
+        ForwardMode.EXTEND: ((long, 7, ps), (long - 2 * ps + 1, 3, ps)),
+        ForwardMode.DECODE: ((long, 1, ps + 1, 2), (1, 1, 1, 1)),
+        ForwardMode.TARGET_VERIFY: ((long, ps + 2, spec_tokens), (spec_tokens,) * 3),
+        ForwardMode.DRAFT_EXTEND_V2: ((ps, long, spec_tokens + 1), (spec_tokens,) * 3),
+    }
+    return shapes[mode]
+
+
+def attention_cases(quick: bool = False) -> list[AttentionCase]:
+    """The suite's attention cases: every profile x mode x variant (quick: a covering subset)."""
+    cases: list[AttentionCase] = []
+    profiles = QUICK_PROFILES if quick else ATTENTION_PROFILES
+    for pi, prof in enumerate(profiles):
+        for mi, mode in enumerate(MODES):
+            variants = [VARIANTS[(mi + pi) % len(VARIANTS)]] if quick else list(VARIANTS)
+            for variant in variants:
+                window = {"window": 5, "hybrid window + sinks": prof.page_size + 1}.get(variant)
+                layer = LayerSpec(
+                    0,
+                    prof.q_heads,
+                    prof.kv_heads,
+                    prof.head_dim,
+                    prof.v_head_dim,
+                    scaling=prof.head_dim**-0.5,
+                    sliding_window=window,
+                    has_sinks="sinks" in variant,
+                )
+                kv, q = _case_shapes(mode, prof.page_size)
+                cases.append(
+                    AttentionCase(mode, layer, kv, q, prof.page_size, prof.dtype, variant.startswith("hybrid"), len(cases))
+                )
+    return cases
+
+
+def _case_features(case: AttentionCase) -> tuple[str, ...]:
+    lay = case.layer
+    features = [f"attention: {case.mode.name}"]
+    if lay.sliding_window is not None:
+        features.append("attention: sliding window")
+    if lay.has_sinks:
+        features.append("attention: sinks")
+    if case.hybrid:
+        features.append("attention: hybrid SWA pool")
+    if lay.num_q_heads != lay.num_kv_heads:
+        features.append("attention: GQA")
+    if lay.head_dim != lay.v_head_dim:
+        features.append("attention: qk_head_dim != v_head_dim")
+    features.append(f"attention: page size {case.page_size}")
+    features.append(f"attention: {dtype_name(case.dtype)}")
+    return tuple(features)
+
+
+def attention_check(case: AttentionCase) -> Check:
+    def fn(backend: Backend) -> None:
+        result = run_attention_case(backend, case)
+        if not result.passed:
+            fail(result.detail)
+
+    return Check(f"attention {case.describe()}", _case_features(case), fn)

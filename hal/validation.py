@@ -1,0 +1,72 @@
+"""The checks every attention call passes before anything touches the cache (one place, all backends)."""
+
+from __future__ import annotations
+
+import torch
+
+from hal.errors import KVLayoutError, SpecError
+from hal.metadata import AttentionMetadata
+from hal.protocols import KVPool
+from hal.spec import LayerSpec
+
+
+def validate_attention_call(
+    pool: KVPool,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    layer: LayerSpec,
+    metadata: AttentionMetadata,
+    sinks: torch.Tensor | None,
+) -> None:
+    """Raise a typed error naming the first argument that does not fit ``layer`` and ``pool``."""
+    t = metadata.num_tokens
+    heads, dk, dv = pool.spec.layer_dims(layer.layer_id)
+    if (heads, dk, dv) != (layer.num_kv_heads, layer.head_dim, layer.v_head_dim):
+        raise KVLayoutError(
+            f"layer {layer.layer_id}: LayerSpec has (kv_heads, head_dim, v_head_dim)="
+            f"{(layer.num_kv_heads, layer.head_dim, layer.v_head_dim)} but the pool stores {(heads, dk, dv)}"
+        )
+    if tuple(q.shape) != (t, layer.num_q_heads, layer.head_dim):
+        raise SpecError(
+            f"layer {layer.layer_id}: q has shape {tuple(q.shape)}, expected "
+            f"({t}, {layer.num_q_heads}, {layer.head_dim})"
+        )
+    for name, x, d in (("k", k, layer.head_dim), ("v", v, layer.v_head_dim)):
+        if x is not None and tuple(x.shape) != (t, layer.num_kv_heads, d):
+            raise SpecError(
+                f"layer {layer.layer_id}: {name} has shape {tuple(x.shape)}, expected ({t}, {layer.num_kv_heads}, {d})"
+            )
+    for name, x in (
+        ("q", q), ("k", k), ("v", v), ("sinks", sinks), ("metadata.kv_lens", metadata.kv_lens),
+        ("metadata.cu_q_lens", metadata.cu_q_lens), ("metadata.block_table", metadata.block_table),
+        ("metadata.out_cache_loc", metadata.out_cache_loc),
+    ):  # fmt: skip
+        if x is not None and x.device != pool.device:
+            raise KVLayoutError(f"layer {layer.layer_id}: {name} is on {x.device}, the KV pool is on {pool.device}")
+    if q.dtype != pool.spec.dtype:
+        raise KVLayoutError(f"layer {layer.layer_id}: q has dtype {q.dtype}, the KV pool stores {pool.spec.dtype}")
+    if layer.has_sinks != (sinks is not None):
+        raise SpecError(
+            f"layer {layer.layer_id}: has_sinks={layer.has_sinks} but sinks were "
+            f"{'given' if sinks is not None else 'not given'}"
+        )
+    if sinks is not None and tuple(sinks.shape) != (layer.num_q_heads,):
+        raise SpecError(
+            f"layer {layer.layer_id}: sinks have shape {tuple(sinks.shape)}, expected ({layer.num_q_heads},)"
+        )
+    if pool.is_swa_layer(layer.layer_id):
+        if layer.sliding_window is None:
+            raise SpecError(
+                f"layer {layer.layer_id} lives in the SWA sub-pool but LayerSpec.sliding_window is None"
+            )
+        if metadata.swa_block_table is None:
+            raise SpecError(
+                f"layer {layer.layer_id} is an SWA-pool layer but the metadata has no swa_block_table "
+                "(build it with build_metadata(..., pool=pool))"
+            )
+    if metadata.page_size != pool.spec.page_size:
+        raise SpecError(
+            f"metadata.page_size={metadata.page_size} but the pool's page_size is {pool.spec.page_size}"
+        )
+

@@ -1,0 +1,154 @@
+"""Multi-layer EAGLE (MTP) speculative decoding on hal, device-neutral (see ``hal.speculative.engine``).
+
+Speculative iteration (SGLang spec v2, chain drafts, see reference/mtp_algorithm.md §1.3):
+request ``b`` has ``L`` committed KV positions, its bonus token (the target's last prediction,
+not yet in the cache) and drafts ``d1..dS`` from the previous iteration.
+
+1. One ``TARGET_VERIFY`` target forward over ``[bonus, d1..dS]`` at positions ``L .. L + S``.
+2. Greedy chain acceptance: accept length ``a`` in ``1 .. S + 1``; the iteration emits the target's
+   tokens at rows ``0 .. a - 1`` and commits ``L += a``.
+3. ``S`` ``DRAFT_EXTEND_V2`` passes, MTP block ``k`` over the same ``S + 1`` rows with the target's
+   verify hidden states; the input ids start as the target's tokens and are rotated after every
+   step, and block ``k``'s token at row ``a - 1`` is the next iteration's ``d_{k+1}``.
+
+KV slots for ``L .. L + S`` are reserved ahead from the paged allocator; slots of rejected
+positions are simply overwritten by the next iteration, and a request's pages are freed when it
+finishes. The MTP blocks keep their KV in a pool of their own addressed by the target's slots.
+As in SGLang's fixed-window draft extend, MTP block ``k``'s KV at the ``k`` positions before the
+committed length was computed from draft tokens and is not rewritten if those drafts are later
+rejected; that costs draft quality only, never correctness, since the target verifies.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from hal.errors import SpecError
+from hal.metadata import AttentionMetadata
+from hal.spec import ForwardMode, KVPoolSpec
+from hal.speculative.chain import greedy_accept, rotate_input_ids
+from hal.speculative.engine import KernelAttend, Request, TargetEngine
+from hal.speculative.model import TinyMiMo
+
+
+class MultiLayerEagleWorker(TargetEngine):
+    """Multi-layer EAGLE with ``num_steps`` MTP blocks (one per draft step), chain drafts, greedy verify."""
+
+    def __init__(self, model: TinyMiMo, device: str = "cpu", *, num_steps: int = 3, **kwargs: object) -> None:
+        cfg = model.config
+        if not isinstance(num_steps, int) or not 1 <= num_steps <= cfg.num_mtp_layers:
+            raise SpecError(f"num_steps must be an int in 1..{cfg.num_mtp_layers} (the model's MTP blocks), got {num_steps!r}")
+        self.num_steps = num_steps
+        self.lookahead = num_steps
+        super().__init__(model, device, **kwargs)  # type: ignore[arg-type]
+        # The MTP blocks' own KV pool: one layer per block, the same page ids as the target's full pool.
+        target = self.target_pool.spec
+        mtp_spec = KVPoolSpec(
+            num_steps, target.size, target.page_size, cfg.swa_kv_heads, cfg.qk_head_dim, cfg.v_head_dim, target.dtype
+        )
+        self.mtp_pool = self.backend.create_kv_pool(mtp_spec)
+        self.mtp_attention = self.backend.create_attention(self.mtp_pool)
+        rows = num_steps + 1
+        self.verify_runner = self._graph_runner(
+            self._target_tokens_and_hidden,
+            self.target_attention,
+            ForwardMode.TARGET_VERIFY,
+            rows,
+            {"input_ids": ((), torch.int64)},
+        )
+        self.draft_runners = [
+            self._graph_runner(
+                functools.partial(self._draft_step, k),
+                self.mtp_attention,
+                ForwardMode.DRAFT_EXTEND_V2,
+                rows,
+                {"input_ids": ((), torch.int64), "hidden": ((cfg.hidden_size,), torch.float32)},
+            )
+            for k in range(num_steps)
+        ]
+
+    def _draft_step(self, step: int, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        return self._mtp_tokens(step, inputs["input_ids"], inputs["hidden"], metadata)
+
+    def _mtp_tokens(
+        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.model.mtp_hidden(
+            step, input_ids, target_hidden, metadata.positions, KernelAttend(self.mtp_attention, metadata)
+        )
+        return self.model.logits(hidden).argmax(-1)
+
+    @staticmethod
+    def _for_mtp_pool(metadata: AttentionMetadata, mode: ForwardMode) -> AttentionMetadata:
+        # The MTP pool has no SWA sub-pool: its layers read the full-pool block table.
+        return attrs.evolve(metadata, mode=mode, swa_block_table=None)
+
+    def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
+        self._prefill(requests, eos_token_id)
+        forwards, accept_lengths = 1, []
+        active = [r for r in requests if not r.finished]
+        while active:
+            forwards += 1
+            accept_lengths += self._step(active, eos_token_id)
+            active = [r for r in active if not r.finished]
+        return forwards, accept_lengths
+
+    def _prefill(self, requests: list[Request], eos_token_id: int | None) -> None:
+        """Target EXTEND, then MTP block k over the prompts with the ids rotated k + 1 times: the first drafts."""
+        ids, hidden, metadata, last_rows, next_tokens = self._prefill_target(requests)
+        mtp_metadata = self._for_mtp_pool(metadata, ForwardMode.EXTEND)
+        attend = KernelAttend(self.mtp_attention, mtp_metadata)
+        ids = rotate_input_ids(ids, last_rows, next_tokens)
+        drafts = []
+        for k in range(self.num_steps):
+            h = self.model.mtp_hidden(k, ids, hidden, mtp_metadata.positions, attend)
+            drafts.append(self.model.logits(h[last_rows]).argmax(-1))
+            ids = rotate_input_ids(ids, last_rows, drafts[-1])
+        for r, token, d in zip(requests, next_tokens.tolist(), torch.stack(drafts, 1).tolist()):
+            r.committed = len(r.prompt)
+            r.drafts = d
+            r.emit([token], eos_token_id)
+            if r.finished:
+                self._finish(r)
+
+    def _step(self, active: list[Request], eos_token_id: int | None) -> list[int]:
+        """One verify + accept + draft round for every active request; returns their accept lengths."""
+        b, rows = len(active), self.num_steps + 1
+
+        # 1. Verify: the target reads [bonus, d1..dS] of each request at positions L .. L + S.
+        metadata = self._metadata(ForwardMode.TARGET_VERIFY, active, [rows] * b)
+        verify_ids = torch.tensor(
+            [[r.output[-1], *r.drafts] for r in active], dtype=torch.int64, device=self.device
+        ).view(-1)
+        target_tokens, target_hidden = self.verify_runner.run({"input_ids": verify_ids}, metadata)
+
+        # 2. Accept: drafts while they equal the target's own greedy tokens, plus the target's next
+        #    token. What is emitted is always the target's output, so decoding stays lossless.
+        accept = greedy_accept(verify_ids.view(b, rows)[:, 1:], target_tokens.view(b, rows))
+        last_accepted_row = torch.arange(b, device=self.device) * rows + accept - 1
+
+        # 3. Draft: MTP block k over the same rows with the target's hidden states; its token at
+        #    the last accepted row is the next iteration's draft d_{k+1}.
+        draft_metadata = self._for_mtp_pool(metadata, ForwardMode.DRAFT_EXTEND_V2)
+        ids = target_tokens
+        new_drafts = []
+        for runner in self.draft_runners:
+            step_tokens = runner.run({"input_ids": ids, "hidden": target_hidden}, draft_metadata)
+            new_drafts.append(step_tokens[last_accepted_row])
+            ids = rotate_input_ids(ids, last_accepted_row, new_drafts[-1])
+
+        # 4. Commit on the host (the iteration's one read-back): L += a, emit, keep the new drafts.
+        accepted = accept.tolist()
+        targets = target_tokens.view(b, rows).tolist()
+        drafts = torch.stack(new_drafts, 1).tolist()
+        for r, a, row, d in zip(active, accepted, targets, drafts):
+            r.committed += a
+            r.drafts = d
+            r.emit(row[:a], eos_token_id)
+            if r.finished:
+                self._finish(r)
+        return accepted
