@@ -33,13 +33,17 @@ class BackendBase:
     kv_pool_class: ClassVar[type[SplitKVPool]] = SplitKVPool
     attention_class: ClassVar[type[Any]]
     graph_class: ClassVar[type[GraphBase]] = EagerGraph
+    #: Tensors live in host memory (``torch.device("cpu")``, whatever the index).
+    host_memory: ClassVar[bool] = False
 
     def __init__(self, index: int | None = None) -> None:
         self.index = index
         self.device = self._tensor_device(index)
 
     def _tensor_device(self, index: int | None) -> torch.device:
-        """Where this backend's tensors live (default: ``device_type[:index]``)."""
+        """Where this backend's tensors live (default: ``device_type[:index]``, or the host)."""
+        if self.host_memory:
+            return torch.device("cpu")
         return torch.device(self.device_type, index) if index is not None else torch.device(self.device_type)
 
     @classmethod

@@ -16,7 +16,8 @@ Adding a backend (device type ``mydev``; ``tests/oot_backend/site/hal_oot_exampl
    graph applies them). Capture span, warm-up, TP barrier and buffer copies come with it. Without
    a graph runtime use ``EagerGraph``.
 5. **Backend**: subclass ``BackendBase``: ``name``, ``device_type``, ``collective_backend``,
-   ``kv_pool_class``, ``attention_class``, ``graph_class``, a cheap ``probe()`` that never imports
+   ``kv_pool_class``, ``attention_class``, ``graph_class``, ``host_memory = True`` if its tensors
+   live on the host, a cheap ``probe()`` that never imports
    the vendor runtime eagerly, ``auto_priority`` if ``"auto"`` may pick it; override
    ``synchronize``/``graph_memory_pool`` where they are not no-ops. Optional
    ``install_emulation()`` classmethod for ``emulate=True``.

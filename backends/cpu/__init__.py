@@ -20,9 +20,7 @@ class CpuBackend(BackendBase):
     kv_pool_class = CpuKVPool
     attention_class = CpuAttention
     graph_class = CpuGraph
-
-    def _tensor_device(self, index: int | None) -> torch.device:
-        return torch.device("cpu")
+    host_memory = True
 
     @classmethod
     def probe(cls) -> Availability:

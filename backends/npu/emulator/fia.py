@@ -25,6 +25,9 @@ _TND_FAMILY = ("TND", "NTD", "TND_NTD", "NTD_TND")
 _SINK_LAYOUTS = ("TND", "NTD_TND")
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
+# The op's limits, written from npu_ops_spec.md independently of the backend's own copy in
+# hal.backends.npu.attention: the emulator stands in for the vendor op, so a wrong limit in the
+# backend shows up as a refused call here instead of agreeing with itself.
 # (qk head dim, v head dim) pairs TND accepts without rope (§1.10).
 TND_HEAD_DIMS = frozenset({(128, 128), (192, 128), (192, 192)})
 SINK_QK_HEAD_DIMS = frozenset({64, 128, 192})

@@ -131,9 +131,7 @@ class OotBackend(BackendBase):
     kv_pool_class = ArenaKVPool
     attention_class = HostLenAttention
     graph_class = ReplayGraph
-
-    def _tensor_device(self, index: int | None) -> torch.device:
-        return torch.device("cpu")
+    host_memory = True
 
     @classmethod
     def probe(cls) -> Availability:
