@@ -8,6 +8,13 @@ import torch
 
 from hal.errors import CacheLocationError, OutOfPagesError, SpecError
 from hal.protocols import KVPool
+from hal.spec import strict_int, strict_ints
+
+
+def _page_count(n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise SpecError(f"alloc: page count must be an int >= 0, got {n!r}")
+    return n
 
 
 class PageAllocator:
@@ -25,8 +32,7 @@ class PageAllocator:
 
     def alloc(self, n: int) -> list[int]:
         """``n`` free pages, lowest first; raises ``OutOfPagesError`` (and takes none) when fewer are free."""
-        if not isinstance(n, int) or n < 0:
-            raise SpecError(f"alloc: page count must be an int >= 0, got {n!r}")
+        n = _page_count(n)
         if n > len(self._free):
             raise OutOfPagesError(f"alloc: asked for {n} pages, {len(self._free)} of {self.num_pages} free")
         pages = [self._free.pop() for _ in range(n)]
@@ -35,7 +41,7 @@ class PageAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         """Return allocated pages; a page not allocated (or listed twice) raises and frees nothing."""
-        pages = list(pages)
+        pages = list(strict_ints(pages, "free: pages"))
         bad = [p for p in pages if p not in self._used]
         if bad or len(set(pages)) != len(pages):
             raise CacheLocationError(f"free: pages {bad or pages} are not allocated (double free?)")
@@ -72,6 +78,7 @@ class KVAllocator:
 
     def alloc(self, n: int) -> list[int]:
         """``n`` full-pool pages; on a hybrid pool each is backed by a fresh SWA page in the pool's mapping."""
+        n = _page_count(n)
         if n > self.num_free_pages:
             raise OutOfPagesError(f"alloc: asked for {n} pages, {self.num_free_pages} free")
         pages = self.full.alloc(n)
@@ -115,15 +122,19 @@ class RequestPageTable:
         return len(self._pages.get(request, ())) * self.page_size
 
     def reserve(self, request: int, num_tokens: int) -> None:
-        """Make sure positions ``0 .. num_tokens - 1`` of ``request`` have slots."""
-        pages = self._pages.setdefault(request, [])
+        """Make sure positions ``0 .. num_tokens - 1`` of ``request`` have slots; a reservation that
+        cannot be met raises and leaves the table as it was (no entry for a new request)."""
+        num_tokens = strict_int(num_tokens, "reserve: num_tokens")
+        if num_tokens < 0:
+            raise SpecError(f"reserve: num_tokens must be >= 0, got {num_tokens}")
+        pages = self._pages.get(request, [])
         need = -(-num_tokens // self.page_size) - len(pages)
-        if need > 0:
-            pages.extend(self.allocator.alloc(need))
+        new = self.allocator.alloc(need) if need > 0 else []
+        self._pages[request] = pages + new
 
     def slots(self, request: int, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Full-pool slots of ``positions``; a position beyond the reservation raises ``CacheLocationError``."""
-        pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        pos = torch.tensor(strict_ints(positions, "slots: positions"), dtype=torch.int64)
         pages = torch.tensor(self._pages.get(request, []), dtype=torch.int64)
         if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= pages.numel() * self.page_size):
             raise CacheLocationError(

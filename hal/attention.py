@@ -26,7 +26,8 @@ class AttentionKernelBase:
     """Base class of ``AttentionKernel`` implementations; override ``_attend`` (and, where the
     hardware has limits or host-side op arguments, ``check_supported`` and ``updatable_params``).
 
-    Threading: a kernel object may hold per-call scratch; give each thread its own kernel.
+    Threading: ``forward`` must be safe from several threads at once; keep per-call scratch per
+    thread (``threading.local``), as the CPU kernel does.
     """
 
     #: KV length of a padded request in a padded graph batch (1: it sees slot 0 of the padding page).

@@ -35,6 +35,8 @@ class BackendBase:
     graph_class: ClassVar[type[GraphBase]] = EagerGraph
     #: Tensors live in host memory (``torch.device("cpu")``, whatever the index).
     host_memory: ClassVar[bool] = False
+    #: KV page size engines use unless told otherwise (one the backend's kernel takes for every mode).
+    default_page_size: ClassVar[int] = 16
 
     def __init__(self, index: int | None = None) -> None:
         self.index = index

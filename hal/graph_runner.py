@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from hal.errors import BatchTooLargeError, GraphError, SpecError
 from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
 from hal.protocols import AttentionKernel, Backend, Graph
-from hal.spec import ForwardMode
+from hal.spec import ForwardMode, strict_int
 
 Forward = Callable[[Mapping[str, torch.Tensor], AttentionMetadata], Any]
 
@@ -46,6 +47,11 @@ class GraphRunner:
     dim is the token count; ``run`` returns those rows for the real requests only. The returned
     tensors are views of the graph's static outputs, valid until the next ``run``.
     Batches above the largest captured size run eagerly (or raise, with ``eager_fallback=False``).
+
+    The replay path refuses what the eager path refuses, before anything is copied into the
+    graph's static buffers: metadata is checked against the pool (slot and page ids), inputs
+    against their declared shape, dtype and device. Threading: the static buffers serve one call
+    at a time; a second thread calling ``run`` while one is running gets ``GraphError``.
     """
 
     def __init__(
@@ -64,9 +70,18 @@ class GraphRunner:
     ) -> None:
         if not mode.has_uniform_query_len() or mode.is_idle():
             raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
+        if not isinstance(mode, ForwardMode):
+            raise SpecError(f"GraphRunner: mode must be a hal.ForwardMode, got {mode!r}")
+        tokens_per_request = strict_int(tokens_per_request, "GraphRunner.tokens_per_request")
+        max_pages_per_request = strict_int(max_pages_per_request, "GraphRunner.max_pages_per_request")
+        if tokens_per_request < 1 or max_pages_per_request < 1:
+            raise SpecError(
+                f"GraphRunner: tokens_per_request={tokens_per_request} and max_pages_per_request="
+                f"{max_pages_per_request} must both be >= 1"
+            )
         if mode.is_decode() and tokens_per_request != 1:
             raise SpecError(f"GraphRunner: DECODE has 1 token per request, got tokens_per_request={tokens_per_request}")
-        sizes = sorted(set(int(b) for b in batch_sizes))
+        sizes = sorted(set(strict_int(b, "GraphRunner.batch_sizes entry") for b in batch_sizes))
         if not sizes or sizes[0] <= 0:
             raise SpecError(f"GraphRunner.batch_sizes must be positive ints, got {list(batch_sizes)}")
         self.backend = backend
@@ -89,6 +104,7 @@ class GraphRunner:
             name: torch.zeros((rows, *shape), dtype=dtype, device=device) for name, (shape, dtype) in inputs.items()
         }
         self._captured: dict[int, _Captured] = {}
+        self._running = threading.Lock()
 
     @property
     def max_batch_size(self) -> int:
@@ -121,13 +137,43 @@ class GraphRunner:
 
     def run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:
         """Replay the smallest captured size >= the batch (eagerly above the largest); real rows only."""
+        if not self._running.acquire(blocking=False):
+            raise GraphError(
+                "GraphRunner.run: already running on another thread; a runner's static buffers serve one call at a time"
+            )
+        try:
+            return self._run(inputs, metadata)
+        finally:
+            self._running.release()
+
+    def _check_inputs(self, inputs: Mapping[str, torch.Tensor], rows: int) -> None:
+        if not isinstance(inputs, Mapping) or set(inputs) != set(self._static_inputs):
+            got = sorted(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
+            raise SpecError(f"GraphRunner inputs {got} differ from the declared {sorted(self._static_inputs)}")
+        for name, value in inputs.items():
+            static = self._static_inputs[name]
+            if not isinstance(value, torch.Tensor):
+                raise SpecError(f"GraphRunner input {name!r} must be a torch.Tensor, got {type(value).__name__}")
+            expect = (rows, *static.shape[1:])
+            if tuple(value.shape) != expect:
+                raise GraphError(
+                    f"GraphRunner input {name!r} has shape {tuple(value.shape)}; for this batch its static buffer has shape {expect}"
+                )
+            if value.dtype != static.dtype:
+                raise GraphError(f"GraphRunner input {name!r} has dtype {value.dtype}, its static buffer {static.dtype}")
+            if value.device != static.device:
+                raise GraphError(f"GraphRunner input {name!r} is on {value.device}, its static buffer on {static.device}")
+
+    def _run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:
+        if not isinstance(metadata, AttentionMetadata):
+            raise SpecError(f"GraphRunner.run: metadata must be a hal.AttentionMetadata, got {type(metadata).__name__}")
         if metadata.mode != self.mode:
             raise SpecError(f"GraphRunner for {self.mode.name} got {metadata.mode.name} metadata")
         b, tpr = metadata.batch_size, self.tokens_per_request
         if any(q != tpr for q in metadata.q_lens_cpu):
             raise SpecError(f"GraphRunner: every request must have {tpr} tokens, got q_lens {metadata.q_lens_cpu}")
-        if set(inputs) != set(self._static_inputs):
-            raise SpecError(f"GraphRunner inputs {sorted(inputs)} differ from the declared {sorted(self._static_inputs)}")
+        self._check_inputs(inputs, b * tpr)
+        metadata.check_against(self.attention.pool)  # the eager path checks the same in every kernel call
         bs = self.padded_batch_size(b)
         too_long = metadata.block_table.shape[1] > self.max_pages_per_request
         if bs is None or too_long:

@@ -53,8 +53,11 @@ class SplitKVPool:
         self._k_rows = [b.view(-1, *b.shape[2:]) for b in self._k_views]
         self._v_rows = [b.view(-1, *b.shape[2:]) for b in self._v_views]
         self.full_to_swa_page: torch.Tensor | None = None
+        # A host mirror of the mapping: slot checks read it without a device sync.
+        self._full_to_swa_page_host: torch.Tensor | None = None
         if spec.swa is not None:
             self.full_to_swa_page = torch.zeros(spec.num_pages + 1, dtype=torch.int64, device=self.device)
+            self._full_to_swa_page_host = torch.zeros(spec.num_pages + 1, dtype=torch.int64)
 
     # -- backend hooks -------------------------------------------------------------------
     def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -124,6 +127,8 @@ class SplitKVPool:
             if int(swa_pages.min()) < 1 or int(swa_pages.max()) > self.spec.swa_num_pages:
                 raise CacheLocationError(f"map_swa_pages: SWA pages must lie in 1..{self.spec.swa_num_pages}")
         self.full_to_swa_page[full_pages] = swa_pages
+        assert self._full_to_swa_page_host is not None
+        self._full_to_swa_page_host[full_pages.cpu()] = swa_pages.cpu()
 
     def unmap_swa_pages(self, full_pages: torch.Tensor) -> None:
         """Drop the SWA backing of full pages (called by the allocator on free)."""
@@ -133,6 +138,8 @@ class SplitKVPool:
         if full_pages.numel() and (int(full_pages.min()) < 0 or int(full_pages.max()) > self.spec.num_pages):
             raise CacheLocationError(f"unmap_swa_pages: full pages must lie in 0..{self.spec.num_pages}")
         self.full_to_swa_page[full_pages] = 0
+        assert self._full_to_swa_page_host is not None
+        self._full_to_swa_page_host[full_pages.cpu()] = 0
 
     def swa_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
         """Translate a full-pool block table to SWA pages (padding page 0 stays 0)."""
@@ -172,21 +179,42 @@ class SplitKVPool:
             raise KVLayoutError(f"set_kv layer {layer}: loc is on {loc.device}, the pool is on {self.device}")
         if n == 0 or is_capturing():
             return  # reading loc's values would synchronize inside a capture
-        lo, hi = int(loc.min()), int(loc.max())
+        self.check_slots(loc.cpu(), f"set_kv layer {layer}", swa=self.is_swa_layer(layer))
+
+    # -- host-side checks of slot and page ids ---------------------------------------------
+    def check_slots(self, loc: torch.Tensor, where: str, *, swa: bool | None = None) -> None:
+        """Raise ``CacheLocationError`` unless every full-pool slot in the host tensor ``loc`` lies in
+        the pool and, for SWA-pool writes (``swa``; default: whenever the pool has an SWA part), in a
+        page with an SWA page mapped. Page 0, the padding page, is always writable."""
+        if loc.numel() == 0:
+            return
+        loc = loc.reshape(-1)
         limit = (self.spec.num_pages + 1) * self.spec.page_size
+        lo, hi = int(loc.min()), int(loc.max())
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
-            raise CacheLocationError(f"set_kv layer {layer}: cache location {bad} out of range [0, {limit})")
-        if self.is_swa_layer(layer):
-            assert self.full_to_swa_page is not None
+            raise CacheLocationError(f"{where}: cache location {bad} out of range [0, {limit})")
+        if swa is None:
+            swa = self._full_to_swa_page_host is not None
+        if swa:
+            assert self._full_to_swa_page_host is not None
             pages = torch.div(loc, self.spec.page_size, rounding_mode="floor")
-            unmapped = (pages != 0) & (self.full_to_swa_page[pages] == 0)
+            unmapped = (pages != 0) & (self._full_to_swa_page_host[pages] == 0)
             if bool(unmapped.any()):
                 first = int(loc[unmapped][0])
                 raise CacheLocationError(
-                    f"set_kv layer {layer}: cache location {first} lies in full page "
+                    f"{where}: cache location {first} lies in full page "
                     f"{first // self.spec.page_size}, which has no SWA page mapped"
                 )
+
+    def check_pages(self, pages: torch.Tensor, where: str) -> None:
+        """Raise ``CacheLocationError`` unless every page id in the host tensor ``pages`` is in ``0..num_pages``."""
+        if pages.numel() == 0:
+            return
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 0 or hi > self.spec.num_pages:
+            bad = lo if lo < 0 else hi
+            raise CacheLocationError(f"{where}: page id {bad} outside the pool's pages 0..{self.spec.num_pages}")
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k[i], v[i]`` at full-pool slot ``loc[i]`` of ``layer``; validates before writing."""

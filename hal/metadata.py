@@ -15,6 +15,8 @@ Conventions (shared by every backend):
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,16 +24,11 @@ import attrs
 import torch
 
 from hal.errors import SpecError
-from hal.spec import ForwardMode
+from hal.graph import is_capturing
+from hal.spec import ForwardMode, strict_int, strict_ints
 
 if TYPE_CHECKING:
     from hal.protocols import KVPool
-
-
-def _int_tuple(value: Any) -> tuple[int, ...]:
-    if isinstance(value, torch.Tensor):
-        return tuple(int(x) for x in value.tolist())
-    return tuple(int(x) for x in value)
 
 
 def _check_request_lengths(where: str, q_lens: Sequence[int], kv_lens: Sequence[int]) -> None:
@@ -51,8 +48,8 @@ class AttentionMetadata:
 
     mode: ForwardMode
     page_size: int
-    kv_lens_cpu: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    q_lens_cpu: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    kv_lens_cpu: tuple[int, ...] = attrs.field(converter=functools.partial(strict_ints, what="AttentionMetadata.kv_lens"))
+    q_lens_cpu: tuple[int, ...] = attrs.field(converter=functools.partial(strict_ints, what="AttentionMetadata.q_lens"))
     kv_lens: torch.Tensor  # [B] int32
     q_lens: torch.Tensor  # [B] int32
     cu_q_lens: torch.Tensor  # [B + 1] int32, starts at 0
@@ -60,9 +57,18 @@ class AttentionMetadata:
     out_cache_loc: torch.Tensor  # [T] int64, full-pool slot each new token is written to
     block_table: torch.Tensor  # [B, max_pages] int32, page ids
     swa_block_table: torch.Tensor | None = None  # same, translated to the SWA sub-pool
+    # Host copies of out_cache_loc and block_table: checks against a pool read them without a
+    # device sync. None when the metadata was built from device tensors directly.
+    out_cache_loc_host: torch.Tensor | None = attrs.field(default=None, repr=False)
+    block_table_host: torch.Tensor | None = attrs.field(default=None, repr=False)
+    _checked_pools: weakref.WeakSet[Any] = attrs.field(factory=weakref.WeakSet, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.mode, ForwardMode):
+            raise SpecError(f"AttentionMetadata.mode must be a hal.ForwardMode, got {self.mode!r}")
         b, t = len(self.kv_lens_cpu), sum(self.q_lens_cpu)
+        if self.mode.is_idle() and t:
+            raise SpecError(f"AttentionMetadata: IDLE carries no tokens, got q_lens {self.q_lens_cpu}")
         if len(self.q_lens_cpu) != b:
             raise SpecError(
                 f"AttentionMetadata.q_lens has {len(self.q_lens_cpu)} entries, kv_lens has {b}"
@@ -100,6 +106,26 @@ class AttentionMetadata:
                     f"AttentionMetadata.{name} holds {table.shape[1]} pages of {self.page_size} "
                     f"tokens, too few for kv_len {max(self.kv_lens_cpu)}"
                 )
+
+    def check_against(self, pool: KVPool) -> None:
+        """Raise a typed error, before anything is written, if a slot or page id does not fit ``pool``:
+        slots in range (and SWA-mapped on a hybrid pool), page ids in ``0..num_pages``, the page size.
+
+        Reads the host copies; without them (metadata built from device tensors) it reads the
+        device tensors, except inside a graph capture, where the runner checks each replay's
+        metadata instead. Checked once per (metadata, pool)."""
+        if pool in self._checked_pools:
+            return
+        if self.page_size != pool.spec.page_size:
+            raise SpecError(f"metadata.page_size={self.page_size} but the pool's page_size is {pool.spec.page_size}")
+        loc, table = self.out_cache_loc_host, self.block_table_host
+        if loc is None or table is None:
+            if is_capturing():
+                return
+            loc, table = self.out_cache_loc.cpu(), self.block_table.cpu()
+        pool.check_slots(loc, "metadata.out_cache_loc")
+        pool.check_pages(table, "metadata.block_table")
+        self._checked_pools.add(pool)
 
     @property
     def batch_size(self) -> int:
@@ -152,13 +178,22 @@ def build_metadata(
         device = pool.device if device is None else device
     if page_size is None:
         raise SpecError("build_metadata needs page_size (or a pool)")
+    page_size = strict_int(page_size, "build_metadata: page_size")
+    if page_size < 1:
+        raise SpecError(f"build_metadata: page_size must be >= 1, got {page_size}")
+    if max_pages is not None:
+        max_pages = strict_int(max_pages, "build_metadata: max_pages")
     device = torch.device("cpu") if device is None else torch.device(device)
-    kv = _int_tuple(kv_lens)
-    q = _int_tuple(q_lens)
+    if not isinstance(mode, ForwardMode):
+        raise SpecError(f"build_metadata: mode must be a hal.ForwardMode, got {mode!r} ({type(mode).__name__})")
+    kv = strict_ints(kv_lens, "build_metadata: kv_lens")
+    q = strict_ints(q_lens, "build_metadata: q_lens")
     if len(kv) != len(q):
         raise SpecError(f"build_metadata: {len(q)} q_lens but {len(kv)} kv_lens")
     _check_request_lengths("build_metadata", q, kv)  # before any tensor op trips on a bad length
-    rows = [list(_int_tuple(r)) for r in page_table]
+    if isinstance(page_table, (str, bytes)) or not isinstance(page_table, (Sequence, torch.Tensor)):
+        raise SpecError(f"build_metadata: page_table must be a sequence of page lists, got {type(page_table).__name__}")
+    rows = [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
     if len(rows) != len(kv):
         raise SpecError(f"build_metadata: page_table has {len(rows)} rows for {len(kv)} requests")
     # A negative page id would silently wrap when a kernel indexes the pool.
@@ -183,10 +218,12 @@ def build_metadata(
         used = row[:width]
         if used:
             table[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
-    loc = torch.as_tensor(
-        out_cache_loc if isinstance(out_cache_loc, torch.Tensor) else list(out_cache_loc),
-        dtype=torch.int64,
-    ).reshape(-1)
+    if isinstance(out_cache_loc, torch.Tensor):
+        if out_cache_loc.dtype not in (torch.int32, torch.int64):
+            raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
+        loc = out_cache_loc.reshape(-1).to("cpu", torch.int64)
+    else:
+        loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
     kv_t = torch.tensor(kv, dtype=torch.int32)
     q_t = torch.tensor(q, dtype=torch.int32)
     cu = torch.zeros(len(kv) + 1, dtype=torch.int32)
@@ -211,8 +248,14 @@ def build_metadata(
         out_cache_loc=loc.to(device),
         block_table=table_d,
         swa_block_table=swa_table,
+        out_cache_loc_host=loc,
+        block_table_host=table,
     )
+    if loc.numel() and int(loc.min()) < 0:
+        raise SpecError(f"build_metadata: out_cache_loc has the negative slot {int(loc.min())}, expected slots >= 0")
     _check_distinct_slots(loc, page_size)
+    if pool is not None:
+        metadata.check_against(pool)
     return metadata
 
 
@@ -260,9 +303,7 @@ def pad_metadata(
     dev = metadata.kv_lens.device
 
     def table(t: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((batch_size, max_pages), dtype=t.dtype, device=dev)
-        out[:b, : t.shape[1]] = t
-        return out
+        return _padded_table(t, batch_size, max_pages)
 
     kv_lens = torch.cat([metadata.kv_lens, torch.full((pad,), pad_kv, dtype=metadata.kv_lens.dtype, device=dev)])
     q_lens = torch.cat([metadata.q_lens, torch.full((pad,), q_len, dtype=metadata.q_lens.dtype, device=dev)])
@@ -283,4 +324,17 @@ def pad_metadata(
         ),
         block_table=table(metadata.block_table),
         swa_block_table=None if metadata.swa_block_table is None else table(metadata.swa_block_table),
+        out_cache_loc_host=None if metadata.out_cache_loc_host is None else torch.cat(
+            [metadata.out_cache_loc_host, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc_host.dtype)]
+        ),
+        block_table_host=None if metadata.block_table_host is None else _padded_table(
+            metadata.block_table_host, batch_size, max_pages
+        ),
     )
+
+
+def _padded_table(table: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """``table`` in the top-left corner of a ``rows x columns`` table of zeros (the padding page)."""
+    out = torch.zeros((rows, columns), dtype=table.dtype, device=table.device)
+    out[: table.shape[0], : table.shape[1]] = table
+    return out

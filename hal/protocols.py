@@ -11,8 +11,13 @@ Before each replay ``hal.GraphRunner`` asks each recorded kernel for
 ``GraphUpdate.host_params``; a graph that cannot apply them refuses them (``GraphError``) rather
 than replaying stale values. Kernels that read only device tensors record nothing.
 
-Threading: a pool may be written from one thread at a time per layer; an attention kernel and a
-graph belong to one thread (kernels keep scratch buffers, graphs keep static buffers).
+Threading contract:
+- ``KVPool``: ``set_kv`` calls from several threads are safe when they write different slots
+  (different layers always do); two concurrent writes to one slot leave either value.
+- ``AttentionKernel``: ``forward`` is safe from several threads at once (scratch is per thread).
+- ``Graph``: one thread at a time captures or replays a graph (its static buffers are shared);
+  ``hal.GraphRunner.run`` refuses a second concurrent caller with ``GraphError``.
+- ``Backend``: its factories may be called from any thread.
 """
 
 from __future__ import annotations
@@ -66,12 +71,22 @@ class KVPool(Protocol):
         """A full-pool block table translated to SWA sub-pool pages (page 0 stays 0)."""
         ...
 
+    def check_slots(self, loc: torch.Tensor, where: str, *, swa: bool | None = None) -> None:
+        """Host-side: raise ``CacheLocationError`` for a slot outside the pool (or, on a hybrid pool,
+        in a page with no SWA page behind it); ``where`` starts the message."""
+        ...
+
+    def check_pages(self, pages: torch.Tensor, where: str) -> None:
+        """Host-side: raise ``CacheLocationError`` for a page id outside ``0..num_pages``."""
+        ...
+
 
 @runtime_checkable
 class AttentionKernel(Protocol):
     """Paged attention for every forward mode (see ``hal.metadata`` for the conventions).
 
-    Every argument is validated before anything is written: a refused call leaves the cache as it was.
+    Every argument is validated before anything is written: a refused call leaves the cache as it
+    was. Safe to call from several threads at once.
     """
 
     pool: KVPool
@@ -100,7 +115,10 @@ class AttentionKernel(Protocol):
 
 @runtime_checkable
 class Graph(Protocol):
-    """Capture once, replay many times; ``replay(update)`` applies what changed first."""
+    """Capture once, replay many times; ``replay(update)`` applies what changed first.
+
+    One thread at a time captures or replays a graph.
+    """
 
     #: (kernel, layer) of every updatable op recorded during capture, in capture order.
     captured_calls: Sequence[tuple[AttentionKernel, LayerSpec]]
@@ -134,6 +152,7 @@ class Backend(Protocol):
     name: ClassVar[str]
     device_type: ClassVar[str]
     collective_backend: ClassVar[str]  # hccl / nccl / gloo
+    default_page_size: ClassVar[int]  # KV page size engines use unless told otherwise
     device: torch.device
 
     @classmethod

@@ -156,7 +156,8 @@ def _attend_requests(
     if sinks is not None:
         denom = denom + torch.exp(sink - row_max)
     ctx = _per_kv_head_matmul(weights, values.permute(0, 2, 1, 3))  # [B, Hkv, G, max_q, Dv]
-    ctx = torch.where(denom[..., None] > 0, ctx / denom.clamp_min(1e-30)[..., None], torch.zeros_like(ctx))
+    # Rows that see no key (and no sink) are 0; a NaN anywhere in a row's inputs stays NaN.
+    ctx = torch.where(denom[..., None] == 0, torch.zeros_like(ctx), ctx / denom.clamp_min(1e-30)[..., None])
     ctx = ctx.reshape(b, hq, max_q, dv).permute(0, 2, 1, 3)  # [B, max_q, Hq, Dv]
     return (ctx.reshape(t, hq, dv) if uniform else ctx[req, row]).to(q.dtype)
 

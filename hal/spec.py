@@ -11,6 +11,8 @@ tokens including itself" passes ``W = 127``.
 from __future__ import annotations
 
 import enum
+import math
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,8 +76,32 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
         )
 
 
+def strict_int(value: Any, what: str) -> int:
+    """``value`` as an int: Python and numpy integers and one-element integer tensors pass;
+    floats (even integral ones), bools, strings and None raise ``SpecError`` naming ``what``."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise SpecError(f"{what} must be an int, got the bool {value!r}")
+    if isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex):
+        raise SpecError(f"{what} must be an int, got a {value.dtype} tensor {value.tolist()!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise SpecError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def strict_ints(values: Any, what: str) -> tuple[int, ...]:
+    """``values`` (a sequence, or an integer tensor) as a tuple of ints; see ``strict_int``."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
+            raise SpecError(f"{what} must hold integers, got a {values.dtype} tensor")
+        return tuple(int(v) for v in values.reshape(-1).tolist())
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise SpecError(f"{what} must be a sequence of ints, got {values!r} ({type(values).__name__})")
+    return tuple(strict_int(v, f"{what}[{i}]") for i, v in enumerate(values))
+
+
 def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
-    return tuple(value)
+    return strict_ints(value, "SWAPoolSpec.layer_ids")
 
 
 def _float_dtype(instance: Any, attribute: attrs.Attribute, value: torch.dtype) -> None:
@@ -114,12 +140,12 @@ class LayerSpec:
 
     @scaling.validator
     def _check_scaling(self, attribute: attrs.Attribute, value: float) -> None:
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise SpecError(f"LayerSpec.scaling must be a positive float, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+            raise SpecError(f"LayerSpec.scaling must be a positive, finite float, got {value!r}")
 
     @sliding_window.validator
     def _check_window(self, attribute: attrs.Attribute, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or value < 0):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise SpecError(f"LayerSpec.sliding_window must be None or an int >= 0, got {value!r}")
 
     @property

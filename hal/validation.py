@@ -19,7 +19,15 @@ def validate_attention_call(
     metadata: AttentionMetadata,
     sinks: torch.Tensor | None,
 ) -> None:
-    """Raise a typed error naming the first argument that does not fit ``layer`` and ``pool``."""
+    """Raise a typed error naming the first argument that does not fit ``layer``, ``pool`` and
+    ``metadata`` (types, shapes, dtypes, devices, SWA routing, slot and page ids)."""
+    if not isinstance(layer, LayerSpec):
+        raise SpecError(f"layer must be a hal.LayerSpec, got {type(layer).__name__}")
+    if not isinstance(metadata, AttentionMetadata):
+        raise SpecError(f"metadata must be a hal.AttentionMetadata (see hal.build_metadata), got {type(metadata).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise SpecError(f"layer {layer.layer_id}: {name} must be a torch.Tensor, got {type(x).__name__}")
     t = metadata.num_tokens
     heads, dk, dv = pool.spec.layer_dims(layer.layer_id)
     if (heads, dk, dv) != (layer.num_kv_heads, layer.head_dim, layer.v_head_dim):
@@ -65,8 +73,5 @@ def validate_attention_call(
                 f"layer {layer.layer_id} is an SWA-pool layer but the metadata has no swa_block_table "
                 "(build it with build_metadata(..., pool=pool))"
             )
-    if metadata.page_size != pool.spec.page_size:
-        raise SpecError(
-            f"metadata.page_size={metadata.page_size} but the pool's page_size is {pool.spec.page_size}"
-        )
+    metadata.check_against(pool)
 

@@ -20,7 +20,7 @@ from hal.errors import SpecError
 from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
 from hal.protocols import AttentionKernel
-from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec, strict_ints
 from hal.speculative.model import TinyMiMo
 
 
@@ -90,8 +90,9 @@ class TargetEngine:
 
     The model is moved to the backend's device in place. The KV pool holds ``max_batch_size``
     requests of up to ``max_seq_len`` positions; graphs are captured for ``graph_batch_sizes``
-    (default 1, 2, 4, ... up to ``max_batch_size``). ``page_size`` and ``kv_dtype`` must suit the
-    backend's kernel (e.g. FIA v2 with head dim 192 wants bf16/fp16 and pages of 128).
+    (default 1, 2, 4, ... up to ``max_batch_size``). ``page_size`` (default: the backend's
+    ``default_page_size``) and ``kv_dtype`` must suit the backend's kernel (e.g. FIA v2 with head
+    dim 192 wants bf16/fp16 and pages of 128).
     """
 
     #: KV positions a request may need beyond its prompt and max_new_tokens (the unverified drafts).
@@ -103,7 +104,7 @@ class TargetEngine:
         device: str = "cpu",
         *,
         emulate: bool = False,
-        page_size: int = 16,
+        page_size: int | None = None,
         kv_dtype: torch.dtype = torch.float32,
         max_batch_size: int = 8,
         max_seq_len: int = 256,
@@ -114,6 +115,7 @@ class TargetEngine:
             raise SpecError(f"max_seq_len={max_seq_len} exceeds the model's max_position={cfg.max_position}")
         self.backend = hal.get_backend(device, emulate=emulate)
         self.device = self.backend.device
+        page_size = self.backend.default_page_size if page_size is None else page_size
         self.model = model.to(self.device).eval()
         self.config = cfg
         self.max_seq_len = max_seq_len
@@ -186,19 +188,22 @@ class TargetEngine:
     ) -> list[Request]:
         if not prompts:
             raise SpecError("generate: no prompts given")
-        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
+            limits = list(max_new_tokens)
+        else:
+            limits = [max_new_tokens] * len(prompts)
         if len(limits) != len(prompts):
             raise SpecError(f"generate: {len(limits)} max_new_tokens values for {len(prompts)} prompts")
         vocab = self.config.vocab_size
         requests = []
         for i, (prompt, limit) in enumerate(zip(prompts, limits)):
-            prompt = [int(t) for t in prompt]
+            prompt = list(strict_ints(prompt, f"generate: prompt {i}"))
             if not prompt:
                 raise SpecError(f"generate: prompt {i} is empty")
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise SpecError(f"generate: prompt {i} has token ids {bad[:5]} outside [0, {vocab})")
-            if not isinstance(limit, int) or limit < 1:
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
                 raise SpecError(f"generate: max_new_tokens for prompt {i} must be an int >= 1, got {limit!r}")
             need = len(prompt) + limit + self.lookahead
             if need > self.max_seq_len:

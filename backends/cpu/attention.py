@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from hal.sdk import AttentionKernelBase, AttentionMetadata, GatherWorkspace, KVPool, LayerSpec, paged_attention
@@ -10,12 +12,21 @@ from hal.sdk import AttentionKernelBase, AttentionMetadata, GatherWorkspace, KVP
 class CpuAttention(AttentionKernelBase):
     """Reference ``AttentionKernel``: ``paged_attention`` over the layer's sub-pool.
 
-    Threading: the gather workspace belongs to the kernel, so one kernel serves one thread.
+    Threading: safe to call from several threads at once; each thread gathers into its own
+    workspace (a shared one would let one thread's gather overwrite another's K/V mid-matmul).
     """
 
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
-        self.workspace = GatherWorkspace()
+        self._per_thread = threading.local()
+
+    @property
+    def workspace(self) -> GatherWorkspace:
+        """The calling thread's gather workspace."""
+        workspace: GatherWorkspace | None = getattr(self._per_thread, "workspace", None)
+        if workspace is None:
+            workspace = self._per_thread.workspace = GatherWorkspace()
+        return workspace
 
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None

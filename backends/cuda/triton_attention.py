@@ -14,11 +14,16 @@ so a captured graph stays valid when the runner refreshes ``kv_lens`` / ``cu_q_l
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import triton
 import triton.language as tl
 
 from hal.errors import UnsupportedConfigError
+
+_INTERPRETER_LOCK = threading.Lock()
 
 MAX_HEAD_DIM = 256  # padded q/k and v head dims above this would spill registers on the GPU
 
@@ -223,41 +228,43 @@ def paged_attention(
     interpret = q.device.type == "cpu"
     dk_pad, dv_pad = max(_next_pow2(dk), 16), max(_next_pow2(dv), 16)
     grid = (t // block_q + batch, hkv)
-    _paged_attention_kernel[grid](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        kv_lens,
-        cu_q_lens,
-        sinks if sinks is not None else q,  # unused pointer when there are no sinks
-        batch,
-        float(scaling) * 1.4426950408889634,
-        0 if sliding_window is None else int(sliding_window),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_table.stride(0),
-        PAGE_SIZE=page_size,
-        GROUP=group,
-        GROUP_PAD=_next_pow2(group),
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        DK=dk,
-        DK_PAD=dk_pad,
-        DV=dv,
-        DV_PAD=dv_pad,
-        HAS_WINDOW=sliding_window is not None,
-        HAS_SINKS=sinks is not None,
-        DOT_FP32=interpret or q.dtype == torch.float32,
-        num_warps=8 if max(dk_pad, dv_pad) > 128 else 4,
-    )
+    # The CPU interpreter patches module state while a kernel runs: one launch at a time there.
+    with _INTERPRETER_LOCK if interpret else contextlib.nullcontext():
+        _paged_attention_kernel[grid](
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            kv_lens,
+            cu_q_lens,
+            sinks if sinks is not None else q,  # unused pointer when there are no sinks
+            batch,
+            float(scaling) * 1.4426950408889634,
+            0 if sliding_window is None else int(sliding_window),
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_table.stride(0),
+            PAGE_SIZE=page_size,
+            GROUP=group,
+            GROUP_PAD=_next_pow2(group),
+            BLOCK_Q=block_q,
+            BLOCK_N=block_n,
+            DK=dk,
+            DK_PAD=dk_pad,
+            DV=dv,
+            DV_PAD=dv_pad,
+            HAS_WINDOW=sliding_window is not None,
+            HAS_SINKS=sinks is not None,
+            DOT_FP32=interpret or q.dtype == torch.float32,
+            num_warps=8 if max(dk_pad, dv_pad) > 128 else 4,
+        )
     return out

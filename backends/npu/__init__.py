@@ -25,12 +25,18 @@ DEVICE_NODES = "/dev/davinci[0-9]*"
 
 
 class NpuBackend(BackendBase):
-    """Backend bundle for ``"npu"`` / ``"npu:<index>"``."""
+    """Backend bundle for ``"npu"`` / ``"npu:<index>"``.
+
+    Pages of 128 tokens by default: the FIA v2 documentation's block_size rules for multi-token
+    queries disagree between sections (a multiple of 128 in 128..512, or 16-aligned up to 1024 in
+    TND), and 128 satisfies every reading for every head dim and mode.
+    """
 
     name = "npu"
     device_type = "npu"
     collective_backend = "hccl"
     auto_priority = 300
+    default_page_size = 128
     kv_pool_class = NpuKVPool
     attention_class = NpuAttention
     graph_class = NpuGraph
@@ -49,7 +55,13 @@ class NpuBackend(BackendBase):
         driver's device nodes (importing torch_npu initialises the runtime: seconds, not a probe)."""
         if not runtime.is_installed():
             return Availability(False, "torch_npu is not installed")
-        if "torch_npu" not in sys.modules:
+        imported = sys.modules.get("torch_npu")
+        if imported is None or not getattr(imported, "IS_HAL_EMULATOR", False):
+            version = runtime.installed_version() if imported is None else getattr(imported, "__version__", None)
+            reason = runtime.too_old(None if version is None else str(version))
+            if reason is not None:
+                return Availability(False, reason)
+        if imported is None:
             nodes = len(glob.glob(DEVICE_NODES))
             if nodes == 0:
                 return Availability(False, f"torch_npu is installed but no Ascend device node ({DEVICE_NODES}) exists")

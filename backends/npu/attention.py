@@ -25,6 +25,9 @@ TEMPLATE_MASK_SIZE = 2048
 # What FIA v2 accepts in TND with a paged cache (npu_ops_spec.md §1.5, §1.6, §1.9, §1.10).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 TND_HEAD_DIMS = frozenset({(128, 128), (192, 128), (192, 192)})  # (qk, v)
+# The documentation: "GQA and PA do not support V_D = 192". hal's cache is always paged, so (192, 192) is
+# refused (MiMo-V2's 192/128 is explicitly allowed).
+PAGED_FORBIDDEN_V_HEAD_DIM = 192
 SINK_QK_HEAD_DIMS = frozenset({64, 128, 192})
 MAX_SINK_V_HEAD_DIM = 128
 MAX_GQA_RATIO = 64
@@ -76,6 +79,8 @@ def unsupported_reason(layer: LayerSpec, dtype: torch.dtype, page_size: int, max
         return f"learnable sinks need a qk head dim in {sorted(SINK_QK_HEAD_DIMS)}, layer has {dk}"
     if layer.has_sinks and dv > MAX_SINK_V_HEAD_DIM:
         return f"learnable sinks need a v head dim <= {MAX_SINK_V_HEAD_DIM}, layer has {dv}"
+    if dv == PAGED_FORBIDDEN_V_HEAD_DIM:
+        return f"FIA v2 with a paged cache does not support v head dim {dv} (documented: GQA and PA do not support V_D = {dv})"
     if layer.group_size > MAX_GQA_RATIO or layer.num_q_heads > MAX_HEADS:
         return (
             f"FIA v2 needs num_q_heads <= {MAX_HEADS} and q/kv heads <= {MAX_GQA_RATIO}, layer has "
@@ -154,7 +159,8 @@ class NpuAttention(AttentionKernelBase):
         v_cache = v_cache.view(v_cache.shape[0], page_size, -1)
         kwargs = self.fia_arguments(layer, metadata, sinks)
         self.record_updatable_call(layer)  # a no-op outside a graph capture
-        out, _ = runtime.torch_npu().npu_fused_infer_attention_score_v2(q, k_cache, v_cache, **kwargs)
+        # FIA v2 takes no non-contiguous tensor; q is often a view of a fused qkv projection.
+        out, _ = runtime.torch_npu().npu_fused_infer_attention_score_v2(q.contiguous(), k_cache, v_cache, **kwargs)
         return out  # type: ignore[no-any-return]
 
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:

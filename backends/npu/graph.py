@@ -28,6 +28,7 @@ class NpuGraph(GraphBase):
         super().__init__(warmup_runs=warmup_runs, tp_group=tp_group)
         self._stream = stream
         self._graph: Any = None
+        self._device_index = 0  # the device the graph was captured on
 
     def _capture_stream(self) -> Any:
         if self._stream is None:
@@ -47,7 +48,7 @@ class NpuGraph(GraphBase):
         graph = npu.NPUGraph()
         with npu.graph(graph, pool=memory_pool, stream=self._capture_stream(), auto_dispatch_capture=True):
             outputs = fn()
-        self._graph = graph
+        self._graph, self._device_index = graph, npu.current_device()
         return outputs
 
     def _before_update(self) -> None:
@@ -55,13 +56,14 @@ class NpuGraph(GraphBase):
         runtime.npu().synchronize()
 
     def _replay(self, host_params: tuple[Mapping[str, Any], ...]) -> None:
-        graph = self._graph
+        graph, device_index, npu = self._graph, self._device_index, runtime.npu()
         # One dict per captured FIA op; an empty update re-issues the ops unchanged.
         update_input = [dict(p) for p in host_params] or [{}]
         failures: list[BaseException] = []
 
         def push_update() -> None:
             try:
+                npu.set_device(device_index)  # a new thread starts on device 0, not the graph's device
                 graph.update(cpu_update_input=update_input)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
                 failures.append(exc)

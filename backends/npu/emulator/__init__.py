@@ -84,7 +84,7 @@ def _build_modules() -> tuple[types.ModuleType, types.ModuleType]:
     npu = types.ModuleType("torch_npu.npu", "Emulated torch.npu (hal.backends.npu.emulator).")
     for name in (
         "NPUGraph", "graph", "graph_pool_handle", "synchronize", "Stream", "current_stream", "stream",
-        "is_available", "device_count", "current_device",
+        "is_available", "device_count", "current_device", "set_device",
     ):  # fmt: skip
         setattr(npu, name, getattr(runtime, name))
     top = types.ModuleType("torch_npu", "Emulated torch_npu (hal.backends.npu.emulator): CPU stand-in, not Ascend.")

@@ -30,6 +30,8 @@ _QUERY_DTYPES = (torch.float16, torch.bfloat16)
 # backend shows up as a refused call here instead of agreeing with itself.
 # (qk head dim, v head dim) pairs TND accepts without rope (§1.10).
 TND_HEAD_DIMS = frozenset({(128, 128), (192, 128), (192, 192)})
+# The newer documentation: "GQA and PA do not support V_D = 192" (paged KV is the only emulated path).
+PAGED_GQA_FORBIDDEN_V_HEAD_DIM = 192
 SINK_QK_HEAD_DIMS = frozenset({64, 128, 192})
 MAX_SINK_V_HEAD_DIM = 128
 MAX_TND_BATCH = 4096
@@ -152,6 +154,9 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         fail(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    for name in ("query", "key", "value"):
+        if not tensors[name].is_contiguous():  # the op's documentation: non-contiguous tensors are not supported
+            fail(f"{name} must be contiguous (FIA v2 does not support non-contiguous tensors), got strides {tensors[name].stride()}")
 
     sparse_mode = int(kw.get("sparse_mode", 0))
     mask = kw.get("atten_mask")
@@ -291,6 +296,9 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
             fail(f"learnable_sink needs a qk head dim in {sorted(SINK_QK_HEAD_DIMS)}, got {d}")
         if dv > MAX_SINK_V_HEAD_DIM:
             fail(f"learnable_sink needs a v head dim <= {MAX_SINK_V_HEAD_DIM}, got {dv}")
+    if dv == PAGED_GQA_FORBIDDEN_V_HEAD_DIM:
+        # Documented ("GQA and PA do not support V_D = 192"), not confirmed on hardware: refused, the strict side.
+        fail(f"paged attention (GQA/PA) does not support a v head dim of {dv}")
     if sparse_mode in (1, 2) or (sparse_mode == 0 and mask is not None):
         fail(f"input_layout TND supports sparse_mode 0 (no mask), 3 or 4, got {sparse_mode} (mask given: {mask is not None})")
     if sparse_mode == 3:

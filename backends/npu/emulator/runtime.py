@@ -96,7 +96,20 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    return 0
+    """This thread's current device (a new thread starts on device 0, as on the device runtime)."""
+    return int(getattr(_state, "device", 0))
+
+
+def set_device(device: Any) -> None:
+    """Make ``device`` (an index, ``"npu:<i>"`` or a ``torch.device``) this thread's current device."""
+    index = device.index if isinstance(device, torch.device) else device
+    if isinstance(index, str):
+        index = int(index.rpartition(":")[2] or 0)
+    if index is None:
+        index = 0
+    if not isinstance(index, int) or not 0 <= index < _device_count:
+        raise NpuOpError(f"set_device: invalid device {device!r}, {_device_count} device(s) present")
+    _state.device = index
 
 
 def graph_pool_handle() -> tuple[int, int]:
@@ -223,6 +236,7 @@ class NPUGraph:
         self._modes: list[Any] = []
         self._pool: Any = None
         self._unsynced_replays = 0  # replays that finished on the host but were not synchronised
+        self._device = 0  # the capturing thread's current device
         with _graphs_lock:
             _live_graphs.add(self)
 
@@ -235,6 +249,7 @@ class NPUGraph:
         if getattr(_state, "capture", None) is not None:
             raise NpuOpError("capture_begin while another NPUGraph capture is in progress on this thread")
         self._pool = pool if pool is not None else graph_pool_handle()
+        self._device = current_device()
         self._capturing = True
         _state.capture = self
         self._modes = [_HostReadGuard(), _CaptureRecorder(self)]
@@ -296,6 +311,11 @@ class NPUGraph:
             raise NpuOpError(
                 "The current graph configuration does not support update, "
                 "Try to capture by setting auto_dispatch_capture=True during capture"
+            )
+        if current_device() != self._device:
+            raise NpuOpError(
+                f"graph.update() on a thread whose current device is {current_device()}, but the graph was "
+                f"captured on device {self._device}: call torch.npu.set_device in the updating thread first"
             )
         done = 0
         try:

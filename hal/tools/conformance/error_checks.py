@@ -58,8 +58,9 @@ def _check_attention_errors(backend: Backend, cfg: LoopConfig) -> None:
     wrong_ps = build_metadata(ForwardMode.DECODE, kv_lens=[n + 1], q_lens=[1], page_table=[[1]],
                               out_cache_loc=table.slots(0, [n]), page_size=other_ps, device=dev)
     limit = (spec.num_pages + 1) * ps
+    # Built without the pool (which would refuse it): the kernel's own validation must.
     bad_loc = build_metadata(ForwardMode.DECODE, kv_lens=[n + 1], q_lens=[1], page_table=table.table([0]),
-                             out_cache_loc=[limit + 1], pool=pool)
+                             out_cache_loc=[limit + 1], page_size=ps, device=dev)
     q, k, v = tensors(full, 1, "decode")
     sq, sk, sv = tensors(swa, 1, "decode-swa")
     other_dtype = torch.float16 if dt != torch.float16 else torch.bfloat16
