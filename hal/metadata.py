@@ -15,7 +15,6 @@ Conventions (shared by every backend):
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -48,8 +47,8 @@ class AttentionMetadata:
 
     mode: ForwardMode
     page_size: int
-    kv_lens_cpu: tuple[int, ...] = attrs.field(converter=functools.partial(strict_ints, what="AttentionMetadata.kv_lens"))
-    q_lens_cpu: tuple[int, ...] = attrs.field(converter=functools.partial(strict_ints, what="AttentionMetadata.q_lens"))
+    kv_lens_cpu: tuple[int, ...] = attrs.field(converter=lambda v: strict_ints(v, "AttentionMetadata.kv_lens"))
+    q_lens_cpu: tuple[int, ...] = attrs.field(converter=lambda v: strict_ints(v, "AttentionMetadata.q_lens"))
     kv_lens: torch.Tensor  # [B] int32
     q_lens: torch.Tensor  # [B] int32
     cu_q_lens: torch.Tensor  # [B + 1] int32, starts at 0

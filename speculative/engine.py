@@ -188,10 +188,11 @@ class TargetEngine:
     ) -> list[Request]:
         if not prompts:
             raise SpecError("generate: no prompts given")
-        if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
-            limits = list(max_new_tokens)
-        else:
-            limits = [max_new_tokens] * len(prompts)
+        limits: list[object] = (
+            list(max_new_tokens)
+            if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes))
+            else [max_new_tokens] * len(prompts)
+        )
         if len(limits) != len(prompts):
             raise SpecError(f"generate: {len(limits)} max_new_tokens values for {len(prompts)} prompts")
         vocab = self.config.vocab_size

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hal
@@ -422,6 +422,7 @@ def test_fuzz_bad_input_is_refused_before_any_write(backends: dict[str, Any], na
     def check(kind: str, n: int) -> None:
         if kind == "k head dim" and n in (0, D):
             n = 7  # an empty or a whole head dim is no mutation
+        event(kind)  # per-kind counts: pytest --hypothesis-show-statistics
         call, error, names = MUTATIONS[kind](world, n)
         expect_refused(world, call, error, names)
 
@@ -438,6 +439,7 @@ def test_fuzz_graph_path_refuses_what_the_eager_path_refuses(backends: dict[str,
               suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(kind=st.sampled_from(GRAPH_MUTATIONS), n=st.integers(0, 40))
     def check(kind: str, n: int) -> None:
+        event(kind)
         call, error, names = MUTATIONS[kind](world, n)
         md = {"slot above": lambda: bad_metadata(world, loc=9 * PAGE + n), "slot negative": lambda: bad_metadata(world, loc=-1 - n),
               "slot unmapped": lambda: bad_metadata(world, loc=8 * PAGE + n % PAGE), "page id": lambda: bad_metadata(world, page=9 + n)}[kind]()  # fmt: skip
