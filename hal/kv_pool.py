@@ -190,7 +190,7 @@ class SplitKVPool:
             return
         loc = loc.reshape(-1)
         limit = (self.spec.num_pages + 1) * self.spec.page_size
-        lo, hi = int(loc.min()), int(loc.max())
+        lo, hi = (int(x) for x in torch.aminmax(loc))
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
             raise CacheLocationError(f"{where}: cache location {bad} out of range [0, {limit})")
@@ -211,7 +211,7 @@ class SplitKVPool:
         """Raise ``CacheLocationError`` unless every page id in the host tensor ``pages`` is in ``0..num_pages``."""
         if pages.numel() == 0:
             return
-        lo, hi = int(pages.min()), int(pages.max())
+        lo, hi = (int(x) for x in torch.aminmax(pages))
         if lo < 0 or hi > self.spec.num_pages:
             bad = lo if lo < 0 else hi
             raise CacheLocationError(f"{where}: page id {bad} outside the pool's pages 0..{self.spec.num_pages}")
