@@ -49,3 +49,8 @@ class BatchTooLargeError(GraphError, ValueError):
 
 class ResultMismatchError(HalError, AssertionError):
     """A backend computed something other than the reference (``hal bench`` will not time it)."""
+
+
+class CheckpointError(HalError, ValueError):
+    """A model checkpoint that cannot be loaded: a missing file, a missing, unexpected or misshaped
+    tensor, an unsupported model type or config value (the message names it)."""

@@ -1,0 +1,124 @@
+"""A safetensors checkpoint directory, read one memory-mapped tensor at a time.
+
+``model.safetensors``, or ``model.safetensors.index.json`` with its shards. FP8 (e4m3) weights
+with 128x128 block scales (``<name>_scale_inv`` beside ``<name>``, the published MiMo-V2-Flash
+format) are dequantized as they are read: ``weight[i, j] * scale_inv[i // 128, j // 128]``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hal.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
+FP8_BLOCK = 128
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+class Checkpoint:
+    """Names, shapes and lazily read tensors of one checkpoint directory."""
+
+    def __init__(self, directory: Path | str) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError as exc:  # an optional dependency of checkpoint loading only
+            raise CheckpointError("reading checkpoints needs safetensors: pip install 'hal[mimo]'") from exc
+        self._safe_open = safe_open
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"missing checkpoint directory: {self.directory}")
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index (no weight_map)") from exc
+            self._file_of = {name: self.directory / file for name, file in weight_map.items()}
+        elif (self.directory / SINGLE_FILE).is_file():
+            single = self.directory / SINGLE_FILE
+            with safe_open(str(single), framework="pt") as f:
+                self._file_of = {name: single for name in f.keys()}
+        else:
+            raise CheckpointError(f"missing file: {self.directory / SINGLE_FILE} (or {INDEX_FILE} with its shards)")
+        for file in sorted(set(self._file_of.values())):
+            if not file.is_file():
+                raise CheckpointError(f"missing file: {file} (listed in {INDEX_FILE})")
+        self._handles: dict[Path, Any] = {}
+
+    @property
+    def names(self) -> set[str]:
+        """Tensor names, block scales of FP8 weights excluded (they are read with their weight)."""
+        return {n for n in self._file_of if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in self._file_of)}
+
+    def _handle(self, name: str) -> Any:
+        file = self._file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"missing tensor {name!r} in {self.directory}")
+        if file not in self._handles:
+            self._handles[file] = self._safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of ``name`` (reads no data)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``name``, memory-mapped; FP8 weights come back dequantized (as ``dtype``, default float32)."""
+        raw = self._handle(name).get_tensor(name)
+        scale_name = name + SCALE_SUFFIX
+        if raw.dtype in FP8_DTYPES:
+            if scale_name not in self._file_of:
+                raise CheckpointError(f"tensor {name!r} is {raw.dtype} but {scale_name!r} (its block scales) is missing")
+            return dequantize_fp8(raw, self._handle(scale_name).get_tensor(scale_name), name).to(dtype or torch.float32)
+        return raw if dtype is None else raw.to(dtype)
+
+    def layer_indices(self, prefix: str) -> list[int]:
+        """Sorted ``k`` of every ``{prefix}{k}.`` tensor name (e.g. ``model.mtp.layers.``)."""
+        pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+        return sorted({int(m.group(1)) for n in self._file_of if (m := pattern.match(n))})
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.names))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """``weight[i, j] * scale_inv[i // 128, j // 128]`` in float32 (a ragged last block included)."""
+    if weight.dim() != 2:
+        raise CheckpointError(f"FP8 tensor {name!r} must be 2-D for 128x128 block scales, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    expect = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if tuple(scale_inv.shape) != expect:
+        raise CheckpointError(
+            f"tensor {name + SCALE_SUFFIX!r}: shape mismatch, expected {expect} for a {tuple(weight.shape)} weight, found {tuple(scale_inv.shape)}"
+        )
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return weight.float() * scale
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published format's FP8 e4m3 weight and 128x128 ``scale_inv`` for a 2-D float weight."""
+    rows, cols = weight.shape
+    blocks = torch.nn.functional.pad(weight.float(), (0, -cols % FP8_BLOCK, 0, -rows % FP8_BLOCK))
+    tiles = blocks.view(blocks.shape[0] // FP8_BLOCK, FP8_BLOCK, blocks.shape[1] // FP8_BLOCK, FP8_BLOCK)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
+    scale = scale_inv.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return (weight.float() / scale).to(torch.float8_e4m3fn), scale_inv

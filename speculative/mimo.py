@@ -1,0 +1,310 @@
+"""MiMo-V2-Flash on hal: the published architecture, loaded from a checkpoint directory.
+
+Hybrid full/sliding-window attention (each with its own kv heads, RoPE theta and, where the
+config says, sinks), a value scale, partial RoPE, a dense first MLP and MoE layers (sigmoid
+scores, a correction bias used only to choose experts, group-limited top-k, normalised weights,
+routed scaling, no shared experts), and the MTP layers as the speculative worker's draft blocks.
+
+Attention goes through an ``Attend`` callable (hal's ``AttentionKernel`` at inference, see
+``hal.speculative.engine.KernelAttend``); everything else is plain device-neutral torch, the MoE
+vectorised over experts (a backend MoE kernel is a later step). The interface is the one the
+engines use with ``TinyMiMo``: ``target_hidden``, ``mtp_hidden``, ``logits`` and ``config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hal.errors import CheckpointError
+from hal.spec import LayerSpec
+from hal.speculative.checkpoint import Checkpoint
+from hal.speculative.mimo_config import AttentionShape, MiMoConfig
+from hal.speculative.model import Attend
+
+Progress = Callable[[int, int], None]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, normalised in float32 and cast back before the weight (as transformers)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE on the first ``rotary_dim`` dims of each q/k head."""
+
+    def __init__(self, shape: AttentionShape) -> None:
+        super().__init__()
+        dim = shape.rotary_dim
+        self.inv_freq: torch.Tensor
+        self.register_buffer(
+            "inv_freq", 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [T, H, D]
+        freqs = positions.float()[:, None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        dim = emb.shape[-1]
+        rot, rest = x[..., :dim], x[..., dim:]
+        half = dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MiMoConfig, shape: AttentionShape, spec: LayerSpec) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.shape, self.spec, self.value_scale = shape, spec, config.attention_value_scale
+        self.q_proj = nn.Linear(h, shape.num_q_heads * shape.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, shape.num_kv_heads * shape.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, shape.num_kv_heads * shape.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(shape.num_q_heads * shape.v_head_dim, h, bias=False)
+        self.attention_sink_bias = nn.Parameter(torch.zeros(shape.num_q_heads)) if shape.has_sinks else None
+        self.rotary = Rotary(shape)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        s, t = self.shape, x.shape[0]
+        q = self.rotary(self.q_proj(x).view(t, s.num_q_heads, s.head_dim), positions)
+        k = self.rotary(self.k_proj(x).view(t, s.num_kv_heads, s.head_dim), positions)
+        v = self.v_proj(x).view(t, s.num_kv_heads, s.v_head_dim) * self.value_scale
+        out = attend(self.spec, q, k, v, self.attention_sink_bias)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Routed experts without shared ones; experts stored stacked ``[E, ...]`` and run as one
+    batched matmul over experts (tokens grouped by expert, padded to the busiest expert)."""
+
+    def __init__(self, config: MiMoConfig) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.config = config
+        self.gate_weight = nn.Parameter(torch.zeros(e, h, dtype=torch.float32))  # the router stays fp32
+        self.e_score_correction_bias: torch.Tensor
+        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+        self.gate_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.up_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: the chosen experts ``[T, k]`` and their weights ``[T, k]`` (float32)."""
+        c = self.config
+        scores = F.linear(x.float(), self.gate_weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias  # the bias picks experts, never weighs them
+        per_group = c.n_routed_experts // c.n_group
+        group_scores = choice.view(-1, c.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
+        groups = group_scores.topk(c.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+        experts = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return experts, weights * c.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, h = x.shape
+        experts, weights = self.route(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        expert_of = flat[order]
+        token_of = order // experts.shape[1]
+        counts = torch.bincount(flat, minlength=self.config.n_routed_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(flat.numel(), device=x.device) - starts[expert_of]
+        capacity = int(counts.max()) if flat.numel() else 0  # one host read per MoE layer
+        grouped = x.new_zeros((self.config.n_routed_experts, capacity, h))
+        grouped[expert_of, slot] = x[token_of]
+        act = F.silu(torch.bmm(grouped, self.gate_proj.transpose(1, 2))) * torch.bmm(grouped, self.up_proj.transpose(1, 2))
+        out_grouped = torch.bmm(act, self.down_proj.transpose(1, 2))
+        rows = out_grouped[expert_of, slot] * weights.reshape(-1)[order, None].to(x.dtype)
+        return x.new_zeros((t, h)).index_add_(0, token_of, rows)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MiMoConfig, shape: AttentionShape, spec: LayerSpec, moe: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, shape, spec)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attend)
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + out
+
+
+class MTPLayer(nn.Module):
+    """``eh_proj(cat(enorm(embed(token)), hnorm(hidden)))``, an SWA block with a dense MLP, ``final_layernorm``."""
+
+    def __init__(self, config: MiMoConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Attention(config, config.swa, spec)
+        self.pre_mlp_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(h, config.intermediate_size)
+        self.final_layernorm = RMSNorm(h, eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x = x + self.self_attn(self.input_layernorm(x), positions, attend)
+        x = x + self.mlp(self.pre_mlp_layernorm(x))
+        return self.final_layernorm(x)
+
+
+class MiMoV2Flash(nn.Module):
+    """The model, with ``target_hidden`` / ``mtp_hidden`` / ``logits`` for hal's engines."""
+
+    def __init__(self, config: MiMoConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, config.attention(i), config.target_layer_spec(i), config.layer_is_moe[i])
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(config, config.mtp_layer_spec(k)) for k in range(config.num_mtp_layers))
+
+    # -- the engines' interface -------------------------------------------------------------
+    def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, attend)
+        return self.norm(x)
+
+    def mtp_hidden(
+        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        return self.mtp[step](self.embed_tokens(input_ids), target_hidden.to(self.lm_head.weight.dtype), positions, attend)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # -- loading ---------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+        """``(published name, destination, expert)``: where each checkpoint tensor goes (a slice of
+        a stacked expert tensor when ``expert`` is set)."""
+        yield "model.embed_tokens.weight", self.embed_tokens.weight, None
+        yield "model.norm.weight", self.norm.weight, None
+        yield "lm_head.weight", self.lm_head.weight, None
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            yield from _block_tensors(f"model.layers.{i}.", layer, {"post_attention_layernorm": layer.post_attention_layernorm})
+        for k, mtp in enumerate(self.mtp):
+            assert isinstance(mtp, MTPLayer)
+            prefix = f"model.mtp.layers.{k}."
+            for name, norm in (("enorm", mtp.enorm), ("hnorm", mtp.hnorm), ("final_layernorm", mtp.final_layernorm)):
+                yield f"{prefix}{name}.weight", norm.weight, None
+            yield f"{prefix}eh_proj.weight", mtp.eh_proj.weight, None
+            yield from _block_tensors(prefix, mtp, {"pre_mlp_layernorm": mtp.pre_mlp_layernorm})
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: Path | str,
+        *,
+        dtype: torch.dtype = torch.float32,
+        num_mtp_layers: int | None = None,
+        progress: Progress | None = None,
+    ) -> MiMoV2Flash:
+        """Build the model from ``directory`` (config.json + safetensors), streaming one tensor at a
+        time into preallocated parameters. MTP layers: ``num_mtp_layers`` if given, else as many as
+        the checkpoint stores (``model.mtp.layers.{k}``)."""
+        directory = Path(directory)
+        with Checkpoint(directory) as ckpt:
+            stored_mtp = len(ckpt.layer_indices("model.mtp.layers."))
+            config = MiMoConfig.from_file(directory / "config.json", num_mtp_layers=stored_mtp if num_mtp_layers is None else num_mtp_layers)
+            with torch.device("meta"):
+                model = cls(config)
+            model = model.to_empty(device="cpu").to(dtype)
+            model.keep_router_in_float32()
+            model.rotary_buffers_reset()
+            targets = list(model.checkpoint_tensors())
+            expected = {name for name, _, _ in targets}
+            unused_mtp = {f"model.mtp.layers.{k}." for k in range(config.num_mtp_layers, stored_mtp)}
+            unexpected = sorted(n for n in ckpt.names - expected if not any(n.startswith(p) for p in unused_mtp))
+            if unexpected:
+                raise CheckpointError(f"unexpected tensors in {directory}: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+            missing = sorted(expected - ckpt.names)
+            if missing:
+                raise CheckpointError(f"missing tensors in {directory}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            with torch.no_grad():
+                for done, (name, dest, expert) in enumerate(targets):
+                    want = tuple(dest.shape[1:]) if expert is not None else tuple(dest.shape)
+                    found = ckpt.shape(name)
+                    if found != want:
+                        raise CheckpointError(f"tensor {name!r}: shape mismatch, expected {want}, found {found}")
+                    (dest[expert] if expert is not None else dest).copy_(ckpt.tensor(name))
+                    if progress is not None:
+                        progress(done + 1, len(targets))
+        return model.eval()
+
+    def keep_router_in_float32(self) -> None:
+        """The checkpoint stores MoE router weights and correction biases in float32; so does the model."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.gate_weight.data = module.gate_weight.data.float()
+                module.e_score_correction_bias = module.e_score_correction_bias.float()
+
+    def rotary_buffers_reset(self) -> None:
+        """Recompute RoPE tables (``to_empty`` leaves non-persistent buffers uninitialised)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.rotary = Rotary(module.shape).to(self.lm_head.weight.device)
+
+
+def _block_tensors(
+    prefix: str, block: DecoderLayer | MTPLayer, norms: dict[str, RMSNorm]
+) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+    """Attention, norms and MLP (dense or MoE) of one decoder or MTP block, by published name."""
+    yield f"{prefix}input_layernorm.weight", block.input_layernorm.weight, None
+    for name, norm in norms.items():
+        yield f"{prefix}{name}.weight", norm.weight, None
+    attn = block.self_attn
+    for proj_name, proj in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj), ("o_proj", attn.o_proj)):
+        yield f"{prefix}self_attn.{proj_name}.weight", proj.weight, None
+    if attn.attention_sink_bias is not None:
+        yield f"{prefix}self_attn.attention_sink_bias", attn.attention_sink_bias, None
+    mlp = block.mlp
+    if isinstance(mlp, MoE):
+        yield f"{prefix}mlp.gate.weight", mlp.gate_weight, None
+        yield f"{prefix}mlp.gate.e_score_correction_bias", mlp.e_score_correction_bias, None
+        for e in range(mlp.config.n_routed_experts):
+            for proj_name, stacked in (("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj)):
+                yield f"{prefix}mlp.experts.{e}.{proj_name}.weight", stacked, e
+    else:
+        assert isinstance(mlp, MLP)
+        for proj_name, proj in (("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj)):
+            yield f"{prefix}mlp.{proj_name}.weight", proj.weight, None
