@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hal.errors import CheckpointError
+from hal.graph import is_capturing
 from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo_config import AttentionShape, MiMoConfig
@@ -134,10 +135,13 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         expert_of = flat[order]
         token_of = order // experts.shape[1]
-        counts = torch.bincount(flat, minlength=self.config.n_routed_experts)
+        counts = torch.zeros(self.config.n_routed_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(flat.numel(), device=x.device) - starts[expert_of]
-        capacity = int(counts.max()) if flat.numel() else 0  # one host read per MoE layer
+        # An expert takes each token at most once, so t rows always suffice; outside a graph capture
+        # the busiest expert's count (one host read) keeps the padded batch small for long prefills.
+        capacity = t if is_capturing() or t == 0 else int(counts.max())
         grouped = x.new_zeros((self.config.n_routed_experts, capacity, h))
         grouped[expert_of, slot] = x[token_of]
         act = F.silu(torch.bmm(grouped, self.gate_proj.transpose(1, 2))) * torch.bmm(grouped, self.up_proj.transpose(1, 2))

@@ -223,3 +223,56 @@ def test_greedy_tokens_equal_transformers_generate(pair: tuple[Any, MiMoV2Flash,
     for prompt, tokens in zip(PROMPTS, got):
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
         assert list(tokens) == out[0, len(prompt) :].tolist(), label
+
+
+# ------------------------------------------------------------------------------------------------
+# MTP layers under the published names: the worker stays lossless
+
+
+def add_mtp_layers(directory: Path, num_mtp_layers: int, seed: int = 1) -> None:
+    """Store random MTP layers ``model.mtp.layers.{k}.*`` beside the target (transformers writes none)."""
+    config = MiMoConfig.from_file(directory / "config.json", num_mtp_layers=num_mtp_layers)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {name: tuple(dest.shape) for name, dest, _ in MiMoV2Flash(config).checkpoint_tensors() if "mtp." in name}
+    weights = safetensors_torch.load_file(directory / "model.safetensors")
+    for name, shape in shapes.items():
+        weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen) if name.endswith("norm.weight") else 0.2 * torch.randn(shape, generator=gen)
+    safetensors_torch.save_file(weights, directory / "model.safetensors")
+
+
+def test_mtp_worker_on_a_mimo_checkpoint_is_lossless(tmp_path: Path) -> None:
+    from hal.speculative import MultiLayerEagleWorker
+
+    make_checkpoint(tmp_path, num_hidden_layers=6, sliding_window=5)
+    add_mtp_layers(tmp_path, 3)
+    model = MiMoV2Flash.from_pretrained(tmp_path)
+    assert model.config.num_mtp_layers == 3  # counted from the stored layers
+    plain = GreedyDecoder(model, "cpu", max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
+    expected = plain.generate(PROMPTS, 40).tokens
+    for steps in (1, 2, 3):
+        worker = MultiLayerEagleWorker(model, "cpu", num_steps=steps, max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
+        result = worker.generate(PROMPTS, 40)
+        assert result.tokens == expected, steps
+        assert result.target_forwards <= 41
+    fewer = MiMoV2Flash.from_pretrained(tmp_path, num_mtp_layers=1)  # unused stored MTP layers are not "unexpected"
+    assert len(fewer.mtp) == 1
+
+
+def test_npu_emulated_logits_match_transformers_in_bf16(tmp_path: Path) -> None:
+    from hal.backends.npu import emulator
+
+    hf = make_checkpoint(tmp_path, num_hidden_layers=6, sliding_window=5, head_dim=128, v_head_dim=128, hidden_size=64,
+                         num_attention_heads=4, num_key_value_heads=1)
+    model = MiMoV2Flash.from_pretrained(tmp_path)
+    prompt, continuation = PROMPTS[2], [1, 2, 3, 60, 61, 62]
+    with emulator.emulated(), torch.no_grad():
+        decoder = GreedyDecoder(model, "npu", emulate=True, kv_dtype=torch.bfloat16, max_batch_size=2, max_seq_len=256,
+                                graph_batch_sizes=[1])
+        assert decoder.target_pool.spec.page_size == 128  # the NPU default
+        got = hal_logits(decoder, prompt, continuation)
+        expected = hf(torch.tensor([prompt + continuation])).logits[0]
+    scale = float(expected.abs().max())
+    worst = float((got - expected).abs().max())
+    assert worst < 1.6e-2 * max(1.0, scale), worst  # bf16 attention: about two ulps at magnitude 1
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
