@@ -21,7 +21,7 @@ from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
 from hal.protocols import AttentionKernel
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec, strict_ints
-from hal.speculative.model import TinyMiMo
+from hal.speculative.model import EngineModel
 
 
 class KernelAttend:
@@ -100,7 +100,7 @@ class TargetEngine:
 
     def __init__(
         self,
-        model: TinyMiMo,
+        model: EngineModel,
         device: str = "cpu",
         *,
         emulate: bool = False,
@@ -261,7 +261,7 @@ class TargetEngine:
 class GreedyDecoder(TargetEngine):
     """Plain greedy decoding with the target alone (``DECODE`` graphs): the baseline and the lossless oracle."""
 
-    def __init__(self, model: TinyMiMo, device: str = "cpu", **kwargs: object) -> None:
+    def __init__(self, model: EngineModel, device: str = "cpu", **kwargs: object) -> None:
         super().__init__(model, device, **kwargs)  # type: ignore[arg-type]
         self.decode_runner = self._graph_runner(
             lambda inputs, md: self._target_tokens_and_hidden(inputs, md)[0],

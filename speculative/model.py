@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -27,6 +28,25 @@ from hal.spec import LayerSpec
 
 # attend(layer, q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], sinks [Hq] | None) -> [T, Hq, Dv]
 Attend = Callable[[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class EngineModel(Protocol):
+    """What hal's engines need of a model (``TinyMiMo`` and ``MiMoV2Flash`` provide it): the target's
+    last hidden states, MTP layer ``step``'s hidden states, logits, and a config with the sizes the
+    KV pools are built from (``num_layers``, ``swa_layer_ids``, ``full_kv_heads``, ``swa_kv_heads``,
+    ``qk_head_dim``, ``v_head_dim``, ``max_position``, ``vocab_size``, ``hidden_size``, ``num_mtp_layers``)."""
+
+    config: Any
+
+    def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor: ...
+
+    def mtp_hidden(
+        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def to(self, device: torch.device) -> Any: ...
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:

@@ -32,13 +32,13 @@ from hal.metadata import AttentionMetadata
 from hal.spec import ForwardMode, KVPoolSpec
 from hal.speculative.chain import greedy_accept, rotate_input_ids
 from hal.speculative.engine import KernelAttend, Request, TargetEngine
-from hal.speculative.model import TinyMiMo
+from hal.speculative.model import EngineModel
 
 
 class MultiLayerEagleWorker(TargetEngine):
     """Multi-layer EAGLE with ``num_steps`` MTP blocks (one per draft step), chain drafts, greedy verify."""
 
-    def __init__(self, model: TinyMiMo, device: str = "cpu", *, num_steps: int = 3, **kwargs: object) -> None:
+    def __init__(self, model: EngineModel, device: str = "cpu", *, num_steps: int = 3, **kwargs: object) -> None:
         cfg = model.config
         if not isinstance(num_steps, int) or not 1 <= num_steps <= cfg.num_mtp_layers:
             raise SpecError(f"num_steps must be an int in 1..{cfg.num_mtp_layers} (the model's MTP blocks), got {num_steps!r}")

@@ -1,4 +1,4 @@
-"""The ``hal`` command: ``info``, ``demo``, ``conformance``, ``bench``.
+"""The ``hal`` command: ``info``, ``demo``, ``conformance``, ``bench``, ``generate``.
 
 The parser (every command's options) is defined here and imports nothing heavy, so ``hal --help``,
 ``hal CMD --help`` and ``hal --version`` never import torch; a command's implementation module is
@@ -69,12 +69,30 @@ def _bench_options(parser: argparse.ArgumentParser) -> None:
     _threads_option(parser)
 
 
+def _generate_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, type=Path, help="MiMo-V2-Flash checkpoint directory (config.json + safetensors)")
+    _device_options(parser)
+    prompts = parser.add_argument_group("prompts (exactly one)")
+    prompts.add_argument("--prompt-ids", help="one prompt as comma-separated token ids, e.g. 1,2,3")
+    prompts.add_argument("--prompts-file", type=Path, help="a JSON list of token-id lists")
+    prompts.add_argument("--prompt", action="append", help="a text prompt (repeatable; needs DIR/tokenizer.json)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default: 32)")
+    parser.add_argument("--speculative", choices=["none", "mtp"], default="none", help="MTP speculative decoding (default: none)")
+    parser.add_argument("--num-draft-steps", type=int, default=1, help="MTP draft steps S with --speculative mtp (default: 1)")
+    parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                        help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
+    parser.add_argument("--page-size", type=int, default=None, help="KV page size (default: the backend's)")
+    _threads_option(parser)
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+
+
 # command -> (implementation module with run(args) -> int, help, options)
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
     "info": ("hal.tools.info", "list registered backends, their availability and versions", _info_options),
     "demo": ("hal.tools.demo", "run the tiny MiMo-V2-style model with and without MTP speculative decoding", add_demo_options),
     "conformance": ("hal.tools.conformance.command", "run the conformance suite against a backend", _conformance_options),
     "bench": ("hal.tools.bench", "benchmark a backend against plain torch baselines", _bench_options),
+    "generate": ("hal.tools.generate", "decode a MiMo-V2-Flash checkpoint, greedy or with MTP", _generate_options),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import attrs
 import torch
@@ -21,6 +21,7 @@ from hal.speculative.model import TinyConfig, TinyMiMo
 from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
 from hal.tools.cli import backend_from_args
 
+T = TypeVar("T")
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,21 +51,31 @@ def _progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None],
     return show
 
 
-def build_engines(
-    model: TinyMiMo, device: str, num_steps: int, kv_dtype: str, **engine_args: Any
-) -> tuple[GreedyDecoder, MultiLayerEagleWorker, torch.dtype]:
-    """Both decoders on ``device``. ``kv_dtype="auto"`` tries float32 and falls back to bfloat16
-    when the backend's kernel rejects float32 (it does so while capturing the first graph)."""
+def with_kv_dtype(kv_dtype: str, build: Callable[[torch.dtype], T]) -> tuple[T, torch.dtype]:
+    """``build(dtype)`` for the KV-cache dtype named ``kv_dtype``; ``"auto"`` tries float32 and falls
+    back to bfloat16 when the backend's kernel rejects float32 (it does so capturing the first graph)."""
     candidates = [torch.float32, torch.bfloat16] if kv_dtype == "auto" else [KV_DTYPES[kv_dtype]]
     for i, dtype in enumerate(candidates):
         try:
-            plain = GreedyDecoder(model, device, kv_dtype=dtype, **engine_args)
-            spec = MultiLayerEagleWorker(model, device, num_steps=num_steps, kv_dtype=dtype, **engine_args)
-            return plain, spec, dtype
+            return build(dtype), dtype
         except UnsupportedConfigError:
             if i + 1 == len(candidates):
                 raise
     raise AssertionError("unreachable")
+
+
+def build_engines(
+    model: TinyMiMo, device: str, num_steps: int, kv_dtype: str, **engine_args: Any
+) -> tuple[GreedyDecoder, MultiLayerEagleWorker, torch.dtype]:
+    """Both decoders on ``device``, with the KV dtype ``with_kv_dtype`` picks."""
+    (plain, spec), dtype = with_kv_dtype(
+        kv_dtype,
+        lambda dt: (
+            GreedyDecoder(model, device, kv_dtype=dt, **engine_args),
+            MultiLayerEagleWorker(model, device, num_steps=num_steps, kv_dtype=dt, **engine_args),
+        ),
+    )
+    return plain, spec, dtype
 
 
 @attrs.frozen

@@ -1,0 +1,79 @@
+"""``hal generate`` on a tiny MiMo-V2-Flash checkpoint made by transformers (with MTP layers added)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hal.tools.cli import main
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from test_mimo import add_mtp_layers, make_checkpoint  # noqa: E402  (after the importorskips)
+
+PROMPTS = [[3, 7, 11, 2, 9, 14, 5, 8], [4, 5]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    directory = tmp_path_factory.mktemp("mimo")
+    hf = make_checkpoint(directory, num_hidden_layers=6, sliding_window=5)
+    add_mtp_layers(directory, 2)
+    expected = []
+    for prompt in PROMPTS:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        expected.append(out[0, len(prompt):].tolist())
+    return directory, expected
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    (line,) = out.strip().splitlines()  # exactly one JSON object on stdout
+    return json.loads(line)
+
+
+def test_json_tokens_equal_transformers_greedy_and_mtp(checkpoint, tmp_path: Path, capsys) -> None:
+    directory, expected = checkpoint
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(PROMPTS))
+    plain = run_json(capsys, "--model", str(directory), "--prompts-file", str(prompts_file), "--max-new-tokens", "20")
+    assert plain["tokens"] == expected and plain["accept_length"] is None
+    assert plain["target_forwards"] == 20 and plain["tokens_per_second"] > 0
+    mtp = run_json(capsys, "--model", str(directory), "--prompts-file", str(prompts_file), "--max-new-tokens", "20",
+                   "--speculative", "mtp", "--num-draft-steps", "2")
+    assert mtp["tokens"] == expected and 1.0 <= mtp["accept_length"] <= 3.0
+    single = run_json(capsys, "--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "20")
+    assert single["tokens"] == expected[:1]
+
+
+def test_text_prompts_go_through_the_tokenizer(checkpoint, tmp_path: Path, capsys) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory, _ = checkpoint
+    vocab = {w: i for i, w in enumerate(["<unk>", "x", "a", "b", "c", "d", "e", "f", "g", "h", "i", "j"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    try:
+        by_text = run_json(capsys, "--model", str(directory), "--prompt", "b f i a", "--max-new-tokens", "6")
+        by_ids = run_json(capsys, "--model", str(directory), "--prompt-ids", "3,7,10,2", "--max-new-tokens", "6")
+        assert by_text["tokens"] == by_ids["tokens"]
+    finally:
+        (directory / "tokenizer.json").unlink()
+
+
+def test_errors_are_one_line(checkpoint, capsys) -> None:
+    directory, _ = checkpoint
+    assert main(["generate", "--model", str(directory), "--prompt-ids", "1,2", "--prompt", "a"]) == 1
+    assert "exactly one of --prompt-ids, --prompts-file, --prompt" in capsys.readouterr().err
+    assert main(["generate", "--model", str(directory), "--prompt", "a b"]) == 1
+    assert "tokenizer.json" in capsys.readouterr().err
+    assert main(["generate", "--model", str(directory), "--prompt-ids", "1,2", "--speculative", "mtp", "--num-draft-steps", "3"]) == 1
+    assert "needs 1..2" in capsys.readouterr().err
+    assert main(["generate", "--model", str(directory / "nope"), "--prompt-ids", "1"]) == 1
+    assert "CheckpointError: missing" in capsys.readouterr().err
