@@ -122,3 +122,17 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
     scale = scale_inv.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
     return (weight.float() / scale).to(torch.float8_e4m3fn), scale_inv
+
+
+def save_checkpoint(directory: Path | str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` to ``directory`` (created if needed)."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:  # an optional dependency of checkpoints only
+        raise CheckpointError("writing checkpoints needs safetensors: pip install 'hal[mimo]'") from exc
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+    return directory

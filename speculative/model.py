@@ -290,3 +290,50 @@ class TinyMiMo(nn.Module):
 
     def mtp_parameters(self) -> list[nn.Parameter]:
         return list(self.mtp_blocks.parameters())
+
+    # -- the published MiMo-V2-Flash checkpoint format ---------------------------------------
+    def checkpoint_config(self) -> dict[str, Any]:
+        """config.json in the form transformers writes: this model is MiMo-V2-Flash with dense MLPs
+        everywhere, value scale 1 and no sinks on full layers (transformers' ``sliding_window`` is
+        hal's W + 1; SWA layers have twice the full layers' kv heads, as transformers assumes)."""
+        c = self.config
+        if c.swa_kv_heads != 2 * c.full_kv_heads:
+            raise SpecError(f"the checkpoint format needs swa_kv_heads = 2 * full_kv_heads, got {c.swa_kv_heads}, {c.full_kv_heads}")
+        factor = c.rope_dim / c.qk_head_dim
+        return {
+            "architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash", "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_q_heads, "num_key_value_heads": c.full_kv_heads, "head_dim": c.qk_head_dim,
+            "v_head_dim": c.v_head_dim, "sliding_window": c.sliding_window + 1, "attention_value_scale": 1.0,
+            "layer_types": ["full_attention" if c.is_full_attention_layer(i) else "sliding_attention" for i in range(c.num_layers)],
+            "mlp_layer_types": ["dense"] * c.num_layers, "rms_norm_eps": c.rms_eps, "max_position_embeddings": c.max_position,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta_full, "partial_rotary_factor": factor},
+                "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_theta_swa, "partial_rotary_factor": factor},
+            },
+            "tie_word_embeddings": False, "num_nextn_predict_layers": c.num_mtp_layers, "dtype": "float32",
+        }  # fmt: skip
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights under the published tensor names (MTP blocks as ``model.mtp.layers.{k}``)."""
+
+        def block(prefix: str, layer: DecoderLayer, post_norm: str) -> dict[str, torch.Tensor]:
+            out = {f"{prefix}input_layernorm.weight": layer.input_norm.weight, f"{prefix}{post_norm}.weight": layer.post_attention_norm.weight}
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                out[f"{prefix}self_attn.{proj}.weight"] = getattr(layer.attn, proj).weight
+            if layer.attn.sinks is not None:
+                out[f"{prefix}self_attn.attention_sink_bias"] = layer.attn.sinks
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out[f"{prefix}mlp.{proj}.weight"] = getattr(layer.mlp, proj).weight
+            return out
+
+        tensors = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight}
+        for i, layer in enumerate(self.layers):
+            tensors.update(block(f"model.layers.{i}.", layer, "post_attention_layernorm"))  # type: ignore[arg-type]
+        for k, mtp in enumerate(self.mtp_blocks):
+            prefix = f"model.mtp.layers.{k}."
+            tensors.update(block(prefix, mtp.layer, "pre_mlp_layernorm"))  # type: ignore[union-attr, arg-type]
+            for name, norm in (("enorm", mtp.enorm), ("hnorm", mtp.hnorm), ("final_layernorm", mtp.final_norm)):  # type: ignore[union-attr]
+                tensors[f"{prefix}{name}.weight"] = norm.weight
+            tensors[f"{prefix}eh_proj.weight"] = mtp.eh_proj.weight  # type: ignore[union-attr]
+        return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}

@@ -276,3 +276,27 @@ def test_npu_emulated_logits_match_transformers_in_bf16(tmp_path: Path) -> None:
     worst = float((got - expected).abs().max())
     assert worst < 1.6e-2 * max(1.0, scale), worst  # bf16 attention: about two ulps at magnitude 1
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+# ------------------------------------------------------------------------------------------------
+# hal demo --export: the demo's model is a checkpoint transformers loads
+
+
+def test_demo_export_writes_a_checkpoint_transformers_loads(tmp_path: Path) -> None:
+    import io
+
+    from hal.tools import demo
+    from hal.tools.cli import build_parser
+
+    out = tmp_path / "demo-ckpt"
+    args = build_parser().parse_args(["demo", "--train-steps", "5", "--train-sequences", "8", "--max-new-tokens", "6",
+                                      "--batch-size", "2", "--no-cache", "--export", str(out)])
+    assert demo.run(args, out=io.StringIO()) == 0
+    hf = hf_load(out)
+    ours = MiMoV2Flash.from_pretrained(out)
+    assert ours.config.num_mtp_layers == 3 and ours.config.sliding_window == 16
+    prompts = demo.make_prompts(2, ours.config.vocab_size, 0)
+    got = GreedyDecoder(ours, "cpu", max_batch_size=2, max_seq_len=96, graph_batch_sizes=[2]).generate(prompts, 64).tokens
+    for prompt, tokens in zip(prompts, got):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        assert list(tokens) == ref[0, len(prompt) :].tolist()

@@ -48,6 +48,8 @@ def add_demo_options(parser: argparse.ArgumentParser) -> None:
     _threads_option(parser)
     parser.add_argument("--seed", type=int, default=0, help="model and prompt seed")
     parser.add_argument("--no-cache", action="store_true", help="retrain the MTP blocks even if cached")
+    parser.add_argument("--export", type=Path, default=None, metavar="DIR",
+                        help="also write the demo's MiMo-V2-Flash checkpoint (config.json + safetensors, MTP layers included) to DIR")
 
 
 def _conformance_options(parser: argparse.ArgumentParser) -> None:

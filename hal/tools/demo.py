@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any, TextIO, TypeVar
 
@@ -17,7 +18,9 @@ import torch
 
 from hal.errors import UnsupportedConfigError
 from hal.speculative.distill import DistillConfig, DistillReport, distill
-from hal.speculative.model import TinyConfig, TinyMiMo
+from hal.speculative.checkpoint import save_checkpoint
+from hal.speculative.mimo import MiMoV2Flash
+from hal.speculative.model import EngineModel, TinyConfig, TinyMiMo
 from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
 from hal.tools.cli import backend_from_args
 
@@ -65,7 +68,7 @@ def with_kv_dtype(kv_dtype: str, build: Callable[[torch.dtype], T]) -> tuple[T, 
 
 
 def build_engines(
-    model: TinyMiMo, device: str, num_steps: int, kv_dtype: str, **engine_args: Any
+    model: EngineModel, device: str, num_steps: int, kv_dtype: str, **engine_args: Any
 ) -> tuple[GreedyDecoder, MultiLayerEagleWorker, torch.dtype]:
     """Both decoders on ``device``, with the KV dtype ``with_kv_dtype`` picks."""
     (plain, spec), dtype = with_kv_dtype(
@@ -82,7 +85,7 @@ def build_engines(
 class DemoSetup:
     """The distilled model and both decoders, as ``hal demo`` and the benchmarks build them."""
 
-    model: TinyMiMo
+    model: MiMoV2Flash  # loaded from the demo's checkpoint
     report: DistillReport
     plain: GreedyDecoder
     spec: MultiLayerEagleWorker
@@ -99,9 +102,13 @@ def setup(
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     backend_from_args(args)  # an unknown or unavailable device fails before training
-    model = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
+    tiny = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
     overrides = {k: v for k, v in (("steps", args.train_steps), ("num_sequences", args.train_sequences)) if v is not None}
-    report = distill(model, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
+    report = distill(tiny, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
+    # The demo runs what it exports: a MiMo-V2-Flash checkpoint (transformers loads it too).
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = save_checkpoint(args.export or scratch, tiny.checkpoint_config(), tiny.checkpoint_tensors())
+        model = MiMoV2Flash.from_pretrained(directory)
     plain, spec, kv_dtype = build_engines(
         model,
         args.device,
