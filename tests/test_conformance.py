@@ -348,10 +348,10 @@ def test_device_defaults_to_cpu_in_every_command() -> None:
     from hal.tools.cli import COMMANDS, build_parser
 
     parser = build_parser()
-    for command in COMMANDS:
-        args = parser.parse_args([command])
-        assert getattr(args, "device", "cpu") == "cpu", command
-    assert {c for c in COMMANDS if hasattr(parser.parse_args([c]), "device")} == {"demo", "conformance", "bench"}
+    required = {"generate": ["--model", "DIR"]}
+    parsed = {command: parser.parse_args([command, *required.get(command, [])]) for command in COMMANDS}
+    assert all(getattr(args, "device", "cpu") == "cpu" for args in parsed.values())
+    assert {c for c, args in parsed.items() if hasattr(args, "device")} == {"demo", "conformance", "bench", "generate"}
 
 
 def test_conformance_without_device_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:

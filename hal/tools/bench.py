@@ -411,32 +411,6 @@ def bench_memory() -> list[Measurement]:
     return out
 
 
-def bench_speculative(backend_device: str, emulate: bool, quick: bool) -> list[Measurement]:
-    """Plain greedy vs the MTP worker (``speculative``), alternating runs, medians."""
-    from hal.tools import demo
-    from hal.speculative.distill import DistillConfig, distill
-    from hal.speculative.model import TinyConfig, TinyMiMo
-
-    model = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=3))
-    distill(model, DistillConfig())
-    batch, new_tokens, repeats = (2, 16, 1) if quick else (4, 64, 3)
-    plain, spec, _ = demo.build_engines(model, backend_device, 3, "auto", emulate=emulate, page_size=128,
-                                        max_batch_size=batch, max_seq_len=16 + 3 * batch + new_tokens + 4)
-    prompts = demo.make_prompts(batch, model.config.vocab_size, 0)
-    plain.generate(prompts[:1], 2)
-    spec.generate(prompts[:1], 2)
-    base, fast = [], []
-    for _ in range(repeats):
-        base.append(plain.generate(prompts, new_tokens))
-        fast.append(spec.generate(prompts, new_tokens))
-    if any(r.tokens != base[0].tokens for r in base + fast):
-        raise ResultMismatchError("speculative output differs from plain greedy output")
-    b = statistics.median(r.tokens_per_second for r in base)
-    f = statistics.median(r.tokens_per_second for r in fast)
-    return [Measurement(f"MTP S=3 decode, tiny MiMo, batch {batch} (accept {fast[0].mean_accept_length:.2f})", f, b,
-                        "tok/s", f / b, "speedup")]
-
-
 # ---------------------------------------------------------------------------------------------
 # running and reporting
 
@@ -453,8 +427,9 @@ def _pick_dtype(backend: Backend, cfg: BenchConfig) -> torch.dtype:
     raise UnsupportedConfigError(f"backend {backend.name!r} runs the benchmark layer in neither float32 nor bfloat16")
 
 
-def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = False, device: str = "cpu",
-                   emulate: bool = False, quick: bool = False, log: Callable[[str], None] = print) -> list[Measurement]:
+def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = False, versus_transformers: bool = False,
+                   device: str = "cpu", emulate: bool = False, quick: bool = False,
+                   log: Callable[[str], None] = print) -> list[Measurement]:
     """Every measurement, in table order."""
     dtype = _pick_dtype(backend, cfg)
     s = _Setup(backend, dtype, cfg)
@@ -464,7 +439,13 @@ def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = Fa
     results += bench_dispatch(s)
     results += bench_memory()
     if speculative:
+        from hal.tools.bench_decoding import bench_speculative
+
         results += bench_speculative(device, emulate, quick)
+    if versus_transformers:
+        from hal.tools.bench_decoding import bench_vs_transformers
+
+        results += bench_vs_transformers(device, emulate, quick, log=log)
     return results
 
 
@@ -527,6 +508,10 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         print(f"hal bench: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
+    if args.transformers and importlib.util.find_spec("transformers") is None:
+        print("hal bench: --transformers needs transformers (pip install --no-deps transformers==5.25.0 and "
+              ".ci/oracle-requirements.txt)", file=sys.stderr)
+        return 3
     if importlib.util.find_spec("matplotlib") is None:
         print("hal bench: matplotlib is needed for results.png (pip install 'hal[bench]')", file=sys.stderr)
         return 3
@@ -540,8 +525,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is not None:
         cfg = attrs.evolve(cfg, repeats=args.repeats)
     backend = backend_from_args(args)
-    results = run_benchmarks(backend, cfg, speculative=args.speculative, device=args.device, emulate=args.emulate,
-                             quick=args.quick)
+    results = run_benchmarks(backend, cfg, speculative=args.speculative, versus_transformers=args.transformers,
+                             device=args.device, emulate=args.emulate, quick=args.quick)
     title = (f"hal bench: {backend.name} on {backend.device}{' (emulated)' if args.emulate else ''}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, ratios: median of {cfg.repeats} paired samples")
     print(markdown_table(results))

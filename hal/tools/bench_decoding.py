@@ -1,0 +1,117 @@
+"""Whole-model decoding benchmarks of ``hal bench``: hal's MTP worker against hal's greedy decoder
+(``--speculative``), and hal's greedy and MTP decoding against transformers' own ``generate`` on the
+same checkpoint (``--transformers``), the baseline a user would otherwise run.
+
+Every comparison alternates the two sides run by run on the same prompts and reports the median
+of the per-run ratios, with their range in the label.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hal.errors import ResultMismatchError
+from hal.speculative import GenerationResult
+from hal.tools.bench import Measurement
+
+
+def _distilled_demo_model() -> Any:
+    from hal.speculative.distill import DistillConfig, distill
+    from hal.speculative.model import TinyConfig, TinyMiMo
+
+    model = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=3))
+    distill(model, DistillConfig())  # cached after the first run
+    return model
+
+
+def bench_speculative(backend_device: str, emulate: bool, quick: bool) -> list[Measurement]:
+    """Plain greedy vs the MTP worker (``speculative``), alternating runs, medians."""
+    from hal.tools import demo
+
+    model = _distilled_demo_model()
+    batch, new_tokens, repeats = (2, 16, 1) if quick else (4, 64, 3)
+    plain, spec, _ = demo.build_engines(model, backend_device, 3, "auto", emulate=emulate, page_size=128,
+                                        max_batch_size=batch, max_seq_len=16 + 3 * batch + new_tokens + 4)
+    prompts = demo.make_prompts(batch, model.config.vocab_size, 0)
+    plain.generate(prompts[:1], 2)
+    spec.generate(prompts[:1], 2)
+    base, fast = [], []
+    for _ in range(repeats):
+        base.append(plain.generate(prompts, new_tokens))
+        fast.append(spec.generate(prompts, new_tokens))
+    if any(r.tokens != base[0].tokens for r in base + fast):
+        raise ResultMismatchError("speculative output differs from plain greedy output")
+    b = statistics.median(r.tokens_per_second for r in base)
+    f = statistics.median(r.tokens_per_second for r in fast)
+    return [Measurement(f"MTP S=3 decode, tiny MiMo, batch {batch} (accept {fast[0].mean_accept_length:.2f})", f, b,
+                        "tok/s", f / b, "speedup")]
+
+
+def bench_vs_transformers(
+    backend_device: str, emulate: bool, quick: bool, log: Callable[[str], None] = print
+) -> list[Measurement]:
+    """hal greedy and hal MTP (S=3) vs ``MiMoV2FlashForCausalLM.generate`` (greedy, its default cache
+    and attention) on the demo's distilled model saved as a MiMo-V2-Flash checkpoint; batch 1 and 4,
+    prompts of 64 and 1024 tokens. Tokens must agree, or the row is a ``ResultMismatchError``."""
+    import transformers
+
+    from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
+    from hal.speculative.checkpoint import save_checkpoint
+    from hal.speculative.mimo import MiMoV2Flash
+
+    tiny = _distilled_demo_model()
+    with tempfile.TemporaryDirectory() as directory:
+        save_checkpoint(directory, tiny.checkpoint_config(), tiny.checkpoint_tensors())
+        model = MiMoV2Flash.from_pretrained(directory)
+        hf = transformers.MiMoV2FlashForCausalLM.from_pretrained(directory, use_kernels=False).eval()
+    shapes = [(1, 64)] if quick else [(1, 64), (4, 64), (1, 1024), (4, 1024)]
+    new_tokens, repeats = (8, 1) if quick else (32, 3)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for batch, prompt_len in shapes:
+        prompts = torch.randint(1, model.config.vocab_size, (batch, prompt_len), generator=gen)
+        engine_args: dict[str, Any] = {"emulate": emulate, "max_batch_size": batch, "max_seq_len": prompt_len + new_tokens + 4,
+                                       "graph_batch_sizes": [batch]}
+        plain = GreedyDecoder(model, backend_device, **engine_args)
+        mtp = MultiLayerEagleWorker(model, backend_device, num_steps=3, **engine_args)
+        rows = prompts.tolist()
+        plain.generate(rows[:1], 2)  # warm-up: graph capture and first calls stay out of the figures
+        mtp.generate(rows[:1], 2)
+        with torch.no_grad():
+            hf.generate(prompts[:1], max_new_tokens=2, do_sample=False)
+        samples: dict[str, list[tuple[float, float]]] = {"greedy": [], "mtp": []}  # (hal, transformers) tok/s
+        accept: list[float] = []
+        for _ in range(repeats):
+            for name, engine in (("greedy", plain), ("mtp", mtp)):
+                result: GenerationResult = engine.generate(rows, new_tokens)
+                reference, hf_tps = _hf_generate(hf, prompts, new_tokens)
+                if [list(t) for t in result.tokens] != reference:
+                    raise ResultMismatchError(f"hal {name} tokens differ from transformers' (batch {batch}, prompt {prompt_len})")
+                samples[name].append((result.tokens_per_second, hf_tps))
+                if name == "mtp":
+                    accept.append(result.mean_accept_length)
+        for name, pairs in samples.items():
+            ratios = [h / t for h, t in pairs]
+            what = "greedy" if name == "greedy" else f"MTP S=3 (accept {statistics.mean(accept):.2f})"
+            label = (f"hal {what} vs transformers generate, batch {batch}, prompt {prompt_len}, {new_tokens} new tokens "
+                     f"(per-run ratios {min(ratios):.2f}-{max(ratios):.2f})")
+            out.append(Measurement(label, statistics.median(h for h, _ in pairs), statistics.median(t for _, t in pairs),
+                                   "tok/s", statistics.median(ratios), "hal/transformers tok/s"))
+        log(f"transformers comparison: batch {batch}, prompt {prompt_len} done")
+    return out
+
+
+def _hf_generate(hf: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[list[list[int]], float]:
+    """transformers' greedy continuation of ``prompts`` (equal lengths: no padding) and its tokens/s."""
+    import time
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    seconds = time.perf_counter() - start
+    return out[:, prompts.shape[1] :].tolist(), prompts.shape[0] * new_tokens / seconds
