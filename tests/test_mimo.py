@@ -300,3 +300,33 @@ def test_demo_export_writes_a_checkpoint_transformers_loads(tmp_path: Path) -> N
     for prompt, tokens in zip(prompts, got):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
         assert list(tokens) == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_load_exactly(tmp_path: Path, stored: torch.dtype) -> None:
+    make_checkpoint(tmp_path, num_hidden_layers=2, sliding_window=5)
+    weights = {k: v.to(stored) for k, v in safetensors_torch.load_file(tmp_path / "model.safetensors").items()}
+    safetensors_torch.save_file(weights, tmp_path / "model.safetensors")
+    as_fp32 = MiMoV2Flash.from_pretrained(tmp_path)
+    as_stored = MiMoV2Flash.from_pretrained(tmp_path, dtype=stored)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(as_fp32.layers[1].self_attn.q_proj.weight, weights[name].float())
+    assert torch.equal(as_stored.layers[1].self_attn.q_proj.weight, weights[name])
+    router = as_stored.layers[1].mlp
+    assert router.gate_weight.dtype == torch.float32 and router.e_score_correction_bias.dtype == torch.float32
+
+
+def test_mtp_worker_on_a_mimo_checkpoint_is_lossless_on_the_emulated_npu(tmp_path: Path) -> None:
+    from hal.backends.npu import emulator
+    from hal.speculative import MultiLayerEagleWorker
+
+    make_checkpoint(tmp_path, num_hidden_layers=6, sliding_window=5, head_dim=128, v_head_dim=128, hidden_size=64)
+    add_mtp_layers(tmp_path, 2)
+    model = MiMoV2Flash.from_pretrained(tmp_path)
+    kwargs: dict[str, Any] = {"emulate": True, "kv_dtype": torch.bfloat16, "max_batch_size": 4, "max_seq_len": 128,
+                              "graph_batch_sizes": [4]}
+    with emulator.emulated():
+        expected = GreedyDecoder(model, "npu", **kwargs).generate(PROMPTS, 24).tokens
+        for steps in (1, 2):
+            got = MultiLayerEagleWorker(model, "npu", num_steps=steps, **kwargs).generate(PROMPTS, 24).tokens
+            assert got == expected, steps
