@@ -25,22 +25,9 @@ from hal.graph import is_capturing
 from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo_config import AttentionShape, MiMoConfig
-from hal.speculative.model import Attend
+from hal.speculative.model import MLP, Attend, RMSNorm
 
 Progress = Callable[[int, int], None]
-
-
-class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, normalised in float32 and cast back before the weight (as transformers)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -84,17 +71,6 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, s.num_kv_heads, s.v_head_dim) * self.value_scale
         out = attend(self.spec, q, k, v, self.attention_sink_bias)
         return self.o_proj(out.reshape(t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
