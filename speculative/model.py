@@ -320,22 +320,30 @@ class TinyMiMo(nn.Module):
         """The weights under the published tensor names (MTP blocks as ``model.mtp.layers.{k}``)."""
 
         def block(prefix: str, layer: DecoderLayer, post_norm: str) -> dict[str, torch.Tensor]:
-            out = {f"{prefix}input_layernorm.weight": layer.input_norm.weight, f"{prefix}{post_norm}.weight": layer.post_attention_norm.weight}
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                out[f"{prefix}self_attn.{proj}.weight"] = getattr(layer.attn, proj).weight
-            if layer.attn.sinks is not None:
-                out[f"{prefix}self_attn.attention_sink_bias"] = layer.attn.sinks
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{prefix}mlp.{proj}.weight"] = getattr(layer.mlp, proj).weight
+            out: dict[str, torch.Tensor] = {
+                f"{prefix}input_layernorm.weight": layer.input_norm.weight,
+                f"{prefix}{post_norm}.weight": layer.post_attention_norm.weight,
+            }
+            attn, mlp = layer.attn, layer.mlp
+            for name, proj in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj), ("o_proj", attn.o_proj)):
+                out[f"{prefix}self_attn.{name}.weight"] = proj.weight
+            if attn.sinks is not None:
+                out[f"{prefix}self_attn.attention_sink_bias"] = attn.sinks
+            for name, proj in (("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj)):
+                out[f"{prefix}mlp.{name}.weight"] = proj.weight
             return out
 
-        tensors = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight}
+        tensors: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
+        }  # fmt: skip
         for i, layer in enumerate(self.layers):
-            tensors.update(block(f"model.layers.{i}.", layer, "post_attention_layernorm"))  # type: ignore[arg-type]
+            assert isinstance(layer, DecoderLayer)
+            tensors.update(block(f"model.layers.{i}.", layer, "post_attention_layernorm"))
         for k, mtp in enumerate(self.mtp_blocks):
+            assert isinstance(mtp, MTPBlock)
             prefix = f"model.mtp.layers.{k}."
-            tensors.update(block(prefix, mtp.layer, "pre_mlp_layernorm"))  # type: ignore[union-attr, arg-type]
-            for name, norm in (("enorm", mtp.enorm), ("hnorm", mtp.hnorm), ("final_layernorm", mtp.final_norm)):  # type: ignore[union-attr]
+            tensors.update(block(prefix, mtp.layer, "pre_mlp_layernorm"))
+            for name, norm in (("enorm", mtp.enorm), ("hnorm", mtp.hnorm), ("final_layernorm", mtp.final_norm)):
                 tensors[f"{prefix}{name}.weight"] = norm.weight
-            tensors[f"{prefix}eh_proj.weight"] = mtp.eh_proj.weight  # type: ignore[union-attr]
+            tensors[f"{prefix}eh_proj.weight"] = mtp.eh_proj.weight
         return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
