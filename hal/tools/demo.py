@@ -34,7 +34,10 @@ def make_prompts(batch_size: int, vocab_size: int, seed: int) -> list[list[int]]
     return [torch.randint(1, vocab_size, (5 + 3 * i,), generator=gen).tolist() for i in range(batch_size)]
 
 
-def _progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], None]:
+PHASE_LABELS = {"data": "generating training data", "train": "distilling MTP blocks"}
+
+
+def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], None]:
     """A one-line text progress bar per phase, redrawn only when the bar grows."""
     width = 30
     drawn: dict[str, int] = {}
@@ -44,7 +47,7 @@ def _progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None],
         if drawn.get(phase) == filled and done != total:
             return
         drawn[phase] = filled
-        label = "generating training data" if phase == "data" else "distilling MTP blocks"
+        label = PHASE_LABELS.get(phase, phase)
         tail = f" loss {loss:.3f}" if loss is not None else ""
         stream.write(f"\r{label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}")
         if done == total:
@@ -124,7 +127,7 @@ def setup(
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run the demo; returns 0 when speculative output equals plain greedy output, 1 otherwise."""
-    demo = setup(args, args.batch_size, progress=_progress_printer(out))
+    demo = setup(args, args.batch_size, progress=progress_printer(out))
     model, report, plain, spec, kv_dtype = demo.model, demo.report, demo.plain, demo.spec, demo.kv_dtype
     where = f"loaded from {report.cache_path}" if report.from_cache else f"trained in {report.seconds:.1f}s"
     print(f"MTP blocks: {where}", file=out)

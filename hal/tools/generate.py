@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,24 +19,7 @@ from hal.errors import CheckpointError, SpecError
 from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
 from hal.speculative.mimo import MiMoV2Flash
 from hal.tools.cli import backend_from_args
-from hal.tools.demo import with_kv_dtype
-
-
-def _progress_bar(width: int = 30) -> Callable[[int, int], None]:
-    """A loading bar on stderr, redrawn only when it grows."""
-    drawn = [-1]
-
-    def show(done: int, total: int) -> None:
-        filled = width * done // max(total, 1)
-        if filled == drawn[0] and done != total:
-            return
-        drawn[0] = filled
-        sys.stderr.write(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return show
+from hal.tools.demo import progress_printer, with_kv_dtype
 
 
 def _tokenizer(directory: Path) -> Any:
@@ -79,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     backend_from_args(args)  # an unknown or unavailable device fails before loading
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model = MiMoV2Flash.from_pretrained(args.model, progress=None if args.json else _progress_bar())
+    show = progress_printer(sys.stderr)
+    model = MiMoV2Flash.from_pretrained(args.model, progress=None if args.json else lambda d, t: show("loading weights", d, t, None))
     steps = args.num_draft_steps if args.speculative == "mtp" else 0
     available = model.config.num_mtp_layers
     if steps and not 1 <= steps <= available:
