@@ -174,7 +174,7 @@ class _Form:
             raise CheckpointError(f"config.json: {key}={value} must be a positive int")
         return int(value)
 
-    def moe(self, num_layers: int) -> dict[str, Any]:
+    def moe(self) -> dict[str, Any]:
         experts = self.positive("n_routed_experts")
         top_k = self.positive("num_experts_per_tok")
         n_group, topk_group = self.positive("n_group", 1), self.positive("topk_group", 1)
@@ -189,6 +189,8 @@ class _Form:
         if top_k > topk_group * (experts // n_group):
             raise CheckpointError(f"config.json: num_experts_per_tok={top_k} exceeds the experts of topk_group={topk_group} groups")
         scaling = self.get("routed_scaling_factor", float, 1.0)
+        if not math.isfinite(scaling) or scaling <= 0:
+            raise CheckpointError(f"config.json: routed_scaling_factor={scaling} must be a positive, finite number")
         return {
             "n_routed_experts": experts,
             "num_experts_per_tok": top_k,
@@ -222,7 +224,7 @@ class _Form:
             "max_position_embeddings": self.positive("max_position_embeddings", 131072),
             "tie_word_embeddings": tie,
             "eos_token_id": eos if isinstance(eos, int) and not isinstance(eos, bool) else None,
-            **(self.moe(n) if any(layer_is_moe) else _NO_MOE),
+            **(self.moe() if any(layer_is_moe) else _NO_MOE),
         }
 
 
