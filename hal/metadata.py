@@ -301,9 +301,6 @@ def pad_metadata(
     pad_kv = fill + q_len - 1
     dev = metadata.kv_lens.device
 
-    def table(t: torch.Tensor) -> torch.Tensor:
-        return _padded_table(t, batch_size, max_pages)
-
     kv_lens = torch.cat([metadata.kv_lens, torch.full((pad,), pad_kv, dtype=metadata.kv_lens.dtype, device=dev)])
     q_lens = torch.cat([metadata.q_lens, torch.full((pad,), q_len, dtype=metadata.q_lens.dtype, device=dev)])
     cu = torch.zeros(batch_size + 1, dtype=metadata.cu_q_lens.dtype, device=dev)
@@ -321,8 +318,8 @@ def pad_metadata(
         out_cache_loc=torch.cat(
             [metadata.out_cache_loc, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc.dtype, device=dev)]
         ),
-        block_table=table(metadata.block_table),
-        swa_block_table=None if metadata.swa_block_table is None else table(metadata.swa_block_table),
+        block_table=_padded_table(metadata.block_table, batch_size, max_pages),
+        swa_block_table=None if metadata.swa_block_table is None else _padded_table(metadata.swa_block_table, batch_size, max_pages),
         out_cache_loc_host=None if metadata.out_cache_loc_host is None else torch.cat(
             [metadata.out_cache_loc_host, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc_host.dtype)]
         ),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +70,15 @@ class Checkpoint:
         """The stored shape of ``name`` (reads no data)."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``name``, memory-mapped; FP8 weights come back dequantized (as ``dtype``, default float32)."""
+    def tensor(self, name: str) -> torch.Tensor:
+        """``name``, memory-mapped; FP8 weights come back dequantized to float32."""
         raw = self._handle(name).get_tensor(name)
         scale_name = name + SCALE_SUFFIX
         if raw.dtype in FP8_DTYPES:
             if scale_name not in self._file_of:
                 raise CheckpointError(f"tensor {name!r} is {raw.dtype} but {scale_name!r} (its block scales) is missing")
-            return dequantize_fp8(raw, self._handle(scale_name).get_tensor(scale_name), name).to(dtype or torch.float32)
-        return raw if dtype is None else raw.to(dtype)
+            return dequantize_fp8(raw, self._handle(scale_name).get_tensor(scale_name), name)
+        return raw
 
     def layer_indices(self, prefix: str) -> list[int]:
         """Sorted ``k`` of every ``{prefix}{k}.`` tensor name (e.g. ``model.mtp.layers.``)."""
@@ -94,9 +93,6 @@ class Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self.names))
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
@@ -315,6 +316,12 @@ class TinyMiMo(nn.Module):
             },
             "tie_word_embeddings": False, "num_nextn_predict_layers": c.num_mtp_layers, "dtype": "float32",
         }  # fmt: skip
+
+    def save_pretrained(self, directory: Path | str) -> Path:
+        """Write this model as a MiMo-V2-Flash checkpoint (config.json + model.safetensors) to ``directory``."""
+        from hal.speculative.checkpoint import save_checkpoint
+
+        return save_checkpoint(directory, self.checkpoint_config(), self.checkpoint_tensors())
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The weights under the published tensor names (MTP blocks as ``model.mtp.layers.{k}``)."""

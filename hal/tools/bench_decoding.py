@@ -61,12 +61,11 @@ def bench_vs_transformers(
     import transformers
 
     from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
-    from hal.speculative.checkpoint import save_checkpoint
     from hal.speculative.mimo import MiMoV2Flash
 
     tiny = _distilled_demo_model()
     with tempfile.TemporaryDirectory() as directory:
-        save_checkpoint(directory, tiny.checkpoint_config(), tiny.checkpoint_tensors())
+        tiny.save_pretrained(directory)
         model = MiMoV2Flash.from_pretrained(directory)
         hf = transformers.MiMoV2FlashForCausalLM.from_pretrained(directory, use_kernels=False).eval()
     shapes = [(1, 64)] if quick else [(1, 64), (4, 64), (1, 1024), (4, 1024)]

@@ -18,7 +18,6 @@ import torch
 
 from hal.errors import UnsupportedConfigError
 from hal.speculative.distill import DistillConfig, DistillReport, distill
-from hal.speculative.checkpoint import save_checkpoint
 from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.model import EngineModel, TinyConfig, TinyMiMo
 from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
@@ -110,7 +109,7 @@ def setup(
     report = distill(tiny, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
     # The demo runs what it exports: a MiMo-V2-Flash checkpoint (transformers loads it too).
     with tempfile.TemporaryDirectory() as scratch:
-        directory = save_checkpoint(args.export or scratch, tiny.checkpoint_config(), tiny.checkpoint_tensors())
+        directory = tiny.save_pretrained(args.export or scratch)
         model = MiMoV2Flash.from_pretrained(directory)
     plain, spec, kv_dtype = build_engines(
         model,
