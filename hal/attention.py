@@ -4,7 +4,7 @@
 
 1. ``validate_attention_call``: shapes, dtypes, devices and SWA routing of every argument;
 2. ``check_supported``: the backend's own limits (``UnsupportedConfigError``), before any write;
-3. ``pool.set_kv``: the new K/V (when ``save_kv_cache``);
+3. ``pool.set_kv_for_forward``: the new K/V (when ``save_kv_cache``);
 4. ``_attend``: the hardware-specific part, over the paged cache.
 """
 
@@ -51,7 +51,7 @@ class AttentionKernelBase:
         validate_attention_call(self.pool, q, k, v, layer, metadata, sinks)
         self.check_supported(layer, metadata)
         if save_kv_cache:
-            self.pool.set_kv(layer.layer_id, metadata.out_cache_loc, k, v)
+            self.pool.set_kv_for_forward(layer.layer_id, metadata, k, v)
         return self._attend(q, layer, metadata, sinks)
 
     def check_supported(self, layer: LayerSpec, metadata: AttentionMetadata) -> None:

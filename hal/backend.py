@@ -37,6 +37,10 @@ class BackendBase:
     host_memory: ClassVar[bool] = False
     #: KV page size engines use unless told otherwise (one the backend's kernel takes for every mode).
     default_page_size: ClassVar[int] = 16
+    #: Whether a replay of ``graph_class`` skips the Python that captured it. False for graphs that
+    #: re-run their function (``EagerGraph``): ``hal.GraphRunner`` then runs each batch eagerly at its
+    #: real size instead of padding it to a captured one and copying it into static buffers.
+    captures_graphs: ClassVar[bool] = False
 
     def __init__(self, index: int | None = None) -> None:
         self.index = index

@@ -47,6 +47,8 @@ class GraphRunner:
     dim is the token count; ``run`` returns those rows for the real requests only. The returned
     tensors are views of the graph's static outputs, valid until the next ``run``.
     Batches above the largest captured size run eagerly (or raise, with ``eager_fallback=False``).
+    ``replay_captured`` (default: ``backend.captures_graphs``) False runs every batch eagerly at its
+    real size, with the same checks, for backends whose graphs re-run Python anyway.
 
     The replay path refuses what the eager path refuses, before anything is copied into the
     graph's static buffers: metadata is checked against the pool (slot and page ids), inputs
@@ -67,6 +69,7 @@ class GraphRunner:
         inputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
         seq_len_fill_value: int | None = None,
         eager_fallback: bool = True,
+        replay_captured: bool | None = None,
     ) -> None:
         if not mode.has_uniform_query_len() or mode.is_idle():
             raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
@@ -98,6 +101,9 @@ class GraphRunner:
                 "new tokens, so a padded request's first token sees at least itself"
             )
         self.eager_fallback = eager_fallback
+        # A graph that re-runs its function saves nothing on replay: padding the batch and copying
+        # it into static buffers would only add work, so such backends run batches eagerly.
+        self.replay_captured = getattr(backend, "captures_graphs", True) if replay_captured is None else bool(replay_captured)
         device = attention.pool.device
         rows = sizes[-1] * tokens_per_request
         self._static_inputs = {
@@ -117,7 +123,10 @@ class GraphRunner:
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
     def capture(self) -> None:
-        """Capture every batch size, largest first so smaller graphs reuse its memory pool."""
+        """Capture every batch size, largest first so smaller graphs reuse its memory pool (nothing
+        to capture when the runner runs batches eagerly)."""
+        if not self.replay_captured:
+            return
         tpr = self.tokens_per_request
         memory_pool = self.backend.graph_memory_pool()
         for bs in reversed(self.batch_sizes):
@@ -176,6 +185,8 @@ class GraphRunner:
         metadata.check_against(self.attention.pool)  # the eager path checks the same in every kernel call
         bs = self.padded_batch_size(b)
         too_long = metadata.block_table.shape[1] > self.max_pages_per_request
+        if not self.replay_captured:
+            return self.forward(inputs, metadata)
         if bs is None or too_long:
             if not self.eager_fallback:
                 what = (

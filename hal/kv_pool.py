@@ -8,12 +8,16 @@ mapping and the validation live here once.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from hal.errors import CacheLocationError, KVLayoutError
 from hal.graph import is_capturing
 from hal.spec import KVPoolSpec
+
+if TYPE_CHECKING:
+    from hal.metadata import AttentionMetadata
 
 
 class SplitKVPool:
@@ -157,7 +161,7 @@ class SplitKVPool:
         return self.full_to_swa_page[torch.div(loc, ps, rounding_mode="floor")] * ps + loc % ps
 
     # -- writes ----------------------------------------------------------------------------
-    def _validate(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _validate(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_slots: bool = True) -> None:
         self._check_layer(layer)
         heads, dk, dv = self.spec.layer_dims(layer)
         if not isinstance(loc, torch.Tensor) or loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
@@ -177,7 +181,7 @@ class SplitKVPool:
                 raise KVLayoutError(f"set_kv layer {layer}: {name} is on {x.device}, the pool is on {self.device}")
         if loc.device != self.device:
             raise KVLayoutError(f"set_kv layer {layer}: loc is on {loc.device}, the pool is on {self.device}")
-        if n == 0 or is_capturing():
+        if n == 0 or is_capturing() or not check_slots:
             return  # reading loc's values would synchronize inside a capture
         self.check_slots(loc.cpu(), f"set_kv layer {layer}", swa=self.is_swa_layer(layer))
 
@@ -220,6 +224,16 @@ class SplitKVPool:
         """Write ``k[i], v[i]`` at full-pool slot ``loc[i]`` of ``layer``; validates before writing."""
         self._validate(layer, loc, k, v)
         slots = self.translate_loc(layer, loc.long())
+        self._write_rows(self._k_rows[layer], slots, k)
+        self._write_rows(self._v_rows[layer], slots, v)
+
+    def set_kv_for_forward(self, layer: int, metadata: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``set_kv`` at ``metadata.out_cache_loc`` with the slot checks done once per forward."""
+        loc = metadata.out_cache_loc
+        self._validate(layer, loc, k, v, check_slots=False)
+        metadata.check_against(self)
+        swa = self.is_swa_layer(layer)
+        slots = metadata.cached(("pool-slots", id(self), swa), lambda: self.translate_loc(layer, loc.long()))
         self._write_rows(self._k_rows[layer], slots, k)
         self._write_rows(self._v_rows[layer], slots, v)
 

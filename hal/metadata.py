@@ -16,18 +16,20 @@ Conventions (shared by every backend):
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
 
 from hal.errors import SpecError
-from hal.graph import is_capturing
+from hal.graph import capture_id, is_capturing, write_count
 from hal.spec import ForwardMode, strict_int, strict_ints
 
 if TYPE_CHECKING:
     from hal.protocols import KVPool
+
+T = TypeVar("T")
 
 
 def _check_request_lengths(where: str, q_lens: Sequence[int], kv_lens: Sequence[int]) -> None:
@@ -61,6 +63,10 @@ class AttentionMetadata:
     out_cache_loc_host: torch.Tensor | None = attrs.field(default=None, repr=False)
     block_table_host: torch.Tensor | None = attrs.field(default=None, repr=False)
     _checked_pools: weakref.WeakSet[Any] = attrs.field(factory=weakref.WeakSet, init=False, repr=False)
+    # Per-forward data derived from this metadata (kernel plans, translated slots), by key, with
+    # the tensors' versions they were derived from; see ``cached``.
+    _derived: dict[Any, tuple[tuple[int, ...], Any]] = attrs.field(factory=dict, init=False, repr=False)
+    _built_stamp: tuple[int, ...] = attrs.field(default=(), init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mode, ForwardMode):
@@ -105,6 +111,40 @@ class AttentionMetadata:
                     f"AttentionMetadata.{name} holds {table.shape[1]} pages of {self.page_size} "
                     f"tokens, too few for kv_len {max(self.kv_lens_cpu)}"
                 )
+        object.__setattr__(self, "_built_stamp", self._stamp())
+
+    def _stamp(self) -> tuple[int, ...]:
+        """Changes when a device tensor is rewritten in place (a graph update copying a new batch
+        into captured metadata)."""
+        return tuple(write_count(t) for t in self.tensors().values())
+
+    def is_current(self) -> bool:
+        """Whether the device tensors still hold the values this metadata was built with (so the
+        host tuples and host copies describe them)."""
+        return self._stamp() == self._built_stamp
+
+    def _cache_stamp(self) -> tuple[int, ...]:
+        # Derived tensors are also tied to the graph capture they were computed in (or to none).
+        return (capture_id(), *self._stamp())
+
+    def host_lengths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(kv_lens, q_lens)`` on the host: the built values, or the device tensors' values read
+        back once their contents changed (captured metadata refreshed by a graph update)."""
+        if self.is_current():
+            return self.kv_lens_cpu, self.q_lens_cpu
+        return tuple(self.kv_lens.tolist()), tuple(self.q_lens.tolist())
+
+    def cached(self, key: Any, build: Callable[[], T]) -> T:
+        """``build()`` once per key for this metadata, shared by every layer of the forward; built
+        again when the device tensors may have been rewritten in place since, and inside each graph
+        capture (so the capture records the ops that derive it)."""
+        stamp = self._cache_stamp()
+        hit = self._derived.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]  # type: ignore[no-any-return]
+        value = build()
+        self._derived[key] = (stamp, value)
+        return value
 
     def check_against(self, pool: KVPool) -> None:
         """Raise a typed error, before anything is written, if a slot or page id does not fit ``pool``:
@@ -112,13 +152,14 @@ class AttentionMetadata:
 
         Reads the host copies; without them (metadata built from device tensors) it reads the
         device tensors, except inside a graph capture, where the runner checks each replay's
-        metadata instead. Checked once per (metadata, pool)."""
-        if pool in self._checked_pools:
+        metadata instead. Checked once per (metadata, pool) while the tensors keep their contents."""
+        current = self.is_current()
+        if current and pool in self._checked_pools:
             return
         if self.page_size != pool.spec.page_size:
             raise SpecError(f"metadata.page_size={self.page_size} but the pool's page_size is {pool.spec.page_size}")
         loc, table = self.out_cache_loc_host, self.block_table_host
-        if loc is None or table is None:
+        if loc is None or table is None or not current:
             if is_capturing():
                 return
             loc, table = self.out_cache_loc.cpu(), self.block_table.cpu()

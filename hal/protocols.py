@@ -51,6 +51,12 @@ class KVPool(Protocol):
         """Write ``k[i]``/``v[i]`` at full-pool slot ``loc[i]``; bad input raises and writes nothing."""
         ...
 
+    def set_kv_for_forward(self, layer: int, metadata: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``set_kv`` at ``metadata.out_cache_loc``, what an attention kernel writes every layer: the
+        slot ids are checked once per forward (``metadata.check_against``) and what is derived from
+        them (SWA slots) is computed once per metadata, so a layer reads no device values."""
+        ...
+
     def k_buffer(self, layer: int) -> torch.Tensor:
         """``[pages + 1, page_size, kv_heads, head_dim]`` view of the layer's K (its own sub-pool)."""
         ...
@@ -153,6 +159,7 @@ class Backend(Protocol):
     device_type: ClassVar[str]
     collective_backend: ClassVar[str]  # hccl / nccl / gloo
     default_page_size: ClassVar[int]  # KV page size engines use unless told otherwise
+    captures_graphs: ClassVar[bool]  # False: its graphs re-run Python, so runners run batches eagerly
     device: torch.device
 
     @classmethod

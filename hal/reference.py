@@ -1,19 +1,30 @@
 """The reference paged attention: pure torch, vectorised over the batch, fp32 math.
 
 The oracle every backend is held against (``hal conformance``) and the CPU backend's kernel.
+
+Work is laid out once per forward by ``plan_attention`` (from host-side lengths, no device read)
+and shared by every layer of the same kind: query rows are cut into tiles (a whole request in
+decode, verify and draft steps; ``EXTEND_TILE_ROWS`` rows of a prompt), each tile gathers only the
+pages holding the keys it can see (on a sliding-window layer the last ``W + rows`` positions, so
+the cost does not grow with the context), and tiles are attended in groups that share one padded
+shape.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import attrs
 import torch
 
-
-# Requests are attended in chunks whose gathered fp32 K/V stays about this size: the gathered
-# copy then stays in cache for the matmuls that read it (up to 1.4x faster than one batch-wide
-# gather at decode sizes) and transient memory stays bounded however large the batch.
+# Tiles of one group are attended together; a group's gathered fp32 K/V stays about this size, so
+# the gathered copy stays in cache for the matmuls that read it (up to 1.4x faster than one
+# batch-wide gather at decode sizes) and transient memory stays bounded however large the batch.
 GATHER_CHUNK_BYTES = 12 << 20
+# Query rows per tile when a request's new rows are many (prefill): with a window W a tile reads
+# W + EXTEND_TILE_ROWS keys, and on full layers later tiles read more keys than earlier ones.
+EXTEND_TILE_ROWS = 128
 
 
 class GatherWorkspace:
@@ -33,6 +44,117 @@ class GatherWorkspace:
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
             buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel].view(shape)
+
+
+@attrs.frozen(eq=False)
+class TileGroup:
+    """Tiles attended together: ``tiles`` tiles of ``rows`` query rows over ``pages`` pages each."""
+
+    tiles: int
+    rows: int
+    pages: int
+    page_ids: torch.Tensor  # [tiles * pages] pages to gather, in key order per tile
+    blocked: torch.Tensor  # [tiles, 1, 1, rows, pages * page_size] bool: key hidden from the row
+    # Packed q rows read by the tile rows: a slice when the group is a contiguous run of whole
+    # tiles, else an index (padding rows read row 0).
+    q_rows: slice | torch.Tensor
+    # Where the tile rows' outputs go: None when q_rows is a slice (same rows), else an index
+    # into the output with one extra row that padding rows write to.
+    out_rows: torch.Tensor | None
+    zero_rows: torch.Tensor | None  # [tiles, 1, 1, rows, 1] bool: rows that see no key (output 0), or None
+
+
+@attrs.frozen(eq=False)
+class AttentionPlan:
+    """How ``paged_attention`` lays out one batch: tile groups, built once and used by every layer."""
+
+    num_tokens: int
+    groups: tuple[TileGroup, ...]
+
+
+def plan_attention(
+    kv_lens: Sequence[int],
+    q_lens: Sequence[int],
+    block_table: torch.Tensor,
+    page_size: int,
+    *,
+    sliding_window: int | None,
+    token_bytes: int,
+    chunk_bytes: int | None = None,
+) -> AttentionPlan:
+    """Lay out attention for requests with these host-side lengths over ``block_table``'s pages.
+
+    ``token_bytes`` is the fp32 K+V size of one cached token (sizes the groups against
+    ``chunk_bytes``, default ``GATHER_CHUNK_BYTES``). Query row ``i`` of request ``b`` sits at
+    position ``kv_lens[b] - q_lens[b] + i`` and sees keys ``j <= p`` (and ``j >= p - W``).
+    """
+    budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    ps = page_size
+    # tiles as (request, first packed row, rows, first position, first page, pages)
+    tiles: list[tuple[int, int, int, int, int, int]] = []
+    row = 0
+    for b, (kv, q) in enumerate(zip(kv_lens, q_lens)):
+        step = min(max(q, 1), EXTEND_TILE_ROWS)
+        for first in range(0, q, step):
+            n = min(step, q - first)
+            pos = kv - q + first
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window)
+            hi = min(kv, pos + n)  # one past the last key any row of the tile sees
+            page_lo = lo // ps
+            tiles.append((b, row + first, n, pos, page_lo, max(0, -(-hi // ps) - page_lo)))
+        row += q
+    groups = []
+    start = 0
+    while start < len(tiles):
+        end, widest, tallest = start + 1, tiles[start][5], tiles[start][2]
+        while end < len(tiles) and max(widest, tiles[end][5]) * ps * (end + 1 - start) * token_bytes <= budget:
+            widest, tallest = max(widest, tiles[end][5]), max(tallest, tiles[end][2])
+            end += 1
+        groups.append(_group(tiles[start:end], max(widest, 1), tallest, row, kv_lens, block_table, ps, sliding_window))
+        start = end
+    return AttentionPlan(row, tuple(groups))
+
+
+def _group(
+    tiles: list[tuple[int, int, int, int, int, int]],
+    pages: int,
+    rows: int,
+    num_tokens: int,
+    kv_lens: Sequence[int],
+    block_table: torch.Tensor,
+    ps: int,
+    sliding_window: int | None,
+) -> TileGroup:
+    n = len(tiles)
+    device = block_table.device
+    req = torch.tensor([t[0] for t in tiles])
+    page_lo = torch.tensor([t[4] for t in tiles])
+    cols = (page_lo[:, None] + torch.arange(pages)[None, :]).clamp_max(block_table.shape[1] - 1)
+    page_ids = block_table[req.to(block_table.device)[:, None], cols.to(block_table.device)].reshape(-1).long()
+
+    real = torch.arange(rows)[None, :] < torch.tensor([t[2] for t in tiles])[:, None]  # [n, rows]
+    pos = torch.tensor([t[3] for t in tiles])[:, None] + torch.arange(rows)[None, :]
+    key = (page_lo * ps)[:, None] + torch.arange(pages * ps)[None, :]  # [n, K] absolute key index
+    kv = torch.tensor([kv_lens[t[0]] for t in tiles])
+    visible = (key[:, None, :] <= pos[:, :, None]) & (key[:, None, :] < kv[:, None, None])
+    if sliding_window is not None:
+        visible &= key[:, None, :] >= pos[:, :, None] - sliding_window
+    visible &= real[:, :, None]
+    sees_none = ~visible.any(-1)  # padding rows, and rows before their request's first key
+    visible[:, :, 0] |= sees_none  # they read key 0 instead of nothing (no NaN); zeroed below
+    real_blind = sees_none & real
+    zero_rows = real_blind.view(n, 1, 1, rows, 1).to(device) if bool(real_blind.any()) else None
+
+    contiguous = bool(real.all()) and all(tiles[i + 1][1] == tiles[i][1] + rows for i in range(n - 1))
+    if contiguous:
+        q_rows: slice | torch.Tensor = slice(tiles[0][1], tiles[0][1] + n * rows)
+        out_rows = None
+    else:
+        src = torch.tensor([t[1] for t in tiles])[:, None] + torch.arange(rows)[None, :]
+        q_rows = torch.where(real, src, 0).reshape(-1).to(device)
+        out_rows = torch.where(real, src, num_tokens).reshape(-1).to(device)
+    blocked = (~visible).view(n, 1, 1, rows, pages * ps).to(device)
+    return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows)
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, workspace: GatherWorkspace | None, name: str) -> torch.Tensor:
@@ -60,115 +182,80 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [Hq]
     chunk_bytes: int | None = None,  # default: GATHER_CHUNK_BYTES
     workspace: GatherWorkspace | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over paged KV; rows that see no key (and no sink) are 0.
 
     Query row ``i`` of request ``b`` sits at absolute position ``kv_lens[b] - q_len_b + i`` and
-    sees keys ``j <= p`` (and ``j >= p - sliding_window`` when a window is set). Consecutive
-    requests are grouped so each group's gathered fp32 K/V is at most ``chunk_bytes`` (at least
-    one request per group). ``workspace`` holds the gathered K/V between calls (without it, each
+    sees keys ``j <= p`` (and ``j >= p - sliding_window`` when a window is set). ``plan`` is the
+    layout ``plan_attention`` made for these lengths and this block table (built here from the
+    tensors when not given); ``workspace`` holds the gathered K/V between calls (without it, each
     call allocates its own).
     """
     t, hq, _ = q.shape
-    b = block_table.shape[0]
-    ps, hkv, dk, dv = v_cache.shape[1], v_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
-    out = torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
-    if t == 0 or b == 0:
-        return out
-    budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    token_bytes = hkv * (dk + dv) * 4
-    padded_kv = [-(-n // ps) * ps for n in kv_lens.tolist()]
-    cu_host = cu_q_lens.tolist()
-    start = 0
-    while start < b:
-        end, widest = start + 1, padded_kv[start]
-        while end < b and max(widest, padded_kv[end]) * (end + 1 - start) * token_bytes <= budget:
-            widest = max(widest, padded_kv[end])
-            end += 1
-        rows = slice(cu_host[start], cu_host[end])
-        out[rows] = _attend_requests(
-            q[rows], k_cache, v_cache, block_table[start:end], kv_lens[start:end],
-            cu_q_lens[start : end + 1] - cu_host[start], [cu_host[i + 1] - cu_host[i] for i in range(start, end)],
-            widest, scaling=scaling, sliding_window=sliding_window, sinks=sinks, workspace=workspace,
+    hkv, dk, dv = v_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    if plan is None:
+        cu = cu_q_lens.tolist()
+        plan = plan_attention(
+            kv_lens.tolist(), [cu[i + 1] - cu[i] for i in range(len(cu) - 1)], block_table, v_cache.shape[1],
+            sliding_window=sliding_window, token_bytes=hkv * (dk + dv) * 4, chunk_bytes=chunk_bytes,
         )
-        start = end
-    return out
+    if t == 0 or not plan.groups:
+        return torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
+    if len(plan.groups) == 1 and plan.groups[0].out_rows is None:  # decode, verify, draft: no scatter
+        return _attend_group(q, k_cache, v_cache, plan.groups[0], scaling, sinks, workspace).to(q.dtype)
+    out = torch.zeros((t + 1, hq, dv), dtype=q.dtype, device=q.device)  # row t takes padding rows
+    for group in plan.groups:
+        result = _attend_group(q, k_cache, v_cache, group, scaling, sinks, workspace).to(q.dtype)
+        if group.out_rows is None:
+            assert isinstance(group.q_rows, slice)
+            out[group.q_rows] = result
+        else:
+            out.index_copy_(0, group.out_rows, result)
+    return out[:t]
 
 
-def _attend_requests(
+def _attend_group(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    q_lens_host: list[int],
-    padded_kv: int,
-    *,
+    group: TileGroup,
     scaling: float,
-    sliding_window: int | None,
     sinks: torch.Tensor | None,
     workspace: GatherWorkspace | None,
 ) -> torch.Tensor:
-    """``paged_attention`` for one group of requests, their first ``padded_kv`` slots gathered."""
-    t, hq, _ = q.shape
-    b = block_table.shape[0]
-    ps, hkv, dv = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
-    max_q = max(q_lens_host)
-    if t == 0 or padded_kv == 0:
-        return torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
-    cu = cu_q_lens.long()
-    q_lens = cu[1:] - cu[:-1]
-    kv = kv_lens.long()
-    n_pages = padded_kv // ps
-    pages = block_table[:, :n_pages].reshape(-1).long()
-    keys = _gather_pages(k_cache, pages, workspace, "k").view(b, padded_kv, hkv, -1)
-    values = _gather_pages(v_cache, pages, workspace, "v").view(b, padded_kv, hkv, dv)
-
-    group = hq // hkv
-    # Equal query lengths (decode, verify, draft steps) pack as [B, max_q] already.
-    uniform = all(n == max_q for n in q_lens_host)
-    if uniform:
-        qp = q.float().view(b, max_q, hq, -1)
-    else:
-        token = torch.arange(t, device=q.device)
-        req = torch.bucketize(token, cu[1:], right=True)
-        row = token - cu[req]
-        qp = torch.zeros((b, max_q, hq, q.shape[2]), dtype=torch.float32, device=q.device)
-        qp[req, row] = q.float()
-    qp = qp.view(b, max_q, hkv, group, -1)
-    scores = _per_kv_head_matmul(qp.permute(0, 2, 3, 1, 4), keys.permute(0, 2, 3, 1)) * scaling  # [B, Hkv, G, max_q, K]
-
-    pos = (kv - q_lens)[:, None] + torch.arange(max_q, device=q.device)[None, :]  # [B, max_q]
-    key_idx = torch.arange(padded_kv, device=q.device)
-    allowed = (key_idx[None, None, :] < kv[:, None, None]) & (key_idx[None, None, :] <= pos[..., None])
-    if sliding_window is not None:
-        allowed &= key_idx[None, None, :] >= pos[..., None] - sliding_window
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-
-    row_max = scores.amax(-1)  # [B, Hkv, G, max_q]
-    if sinks is not None:
-        sink = sinks.float().view(1, hkv, group, 1).expand_as(row_max)
-        row_max = torch.maximum(row_max, sink)
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    weights = torch.exp(scores - row_max[..., None])
-    denom = weights.sum(-1)
-    if sinks is not None:
-        denom = denom + torch.exp(sink - row_max)
-    ctx = _per_kv_head_matmul(weights, values.permute(0, 2, 1, 3))  # [B, Hkv, G, max_q, Dv]
-    # Rows that see no key (and no sink) are 0; a NaN anywhere in a row's inputs stays NaN.
-    ctx = torch.where(denom[..., None] == 0, torch.zeros_like(ctx), ctx / denom.clamp_min(1e-30)[..., None])
-    ctx = ctx.reshape(b, hq, max_q, dv).permute(0, 2, 1, 3)  # [B, max_q, Hq, Dv]
-    return (ctx.reshape(t, hq, dv) if uniform else ctx[req, row]).to(q.dtype)
+    """One group's output rows ``[tiles * rows, Hq, Dv]`` in fp32."""
+    n, rows = group.tiles, group.rows
+    hq, dk = q.shape[1], q.shape[2]
+    hkv, dv = v_cache.shape[2], v_cache.shape[3]
+    g = hq // hkv
+    keys_per_tile = group.pages * v_cache.shape[1]
+    qt = q[group.q_rows] if isinstance(group.q_rows, slice) else q.index_select(0, group.q_rows)
+    qt = qt.float() * scaling  # [n * rows, Hq, Dk]
+    keys = _gather_pages(k_cache, group.page_ids, workspace, "k").view(n, keys_per_tile, hkv, dk)
+    values = _gather_pages(v_cache, group.page_ids, workspace, "v").view(n, keys_per_tile, hkv, dv)
+    # [n, Hkv, G * rows, Dk]: a tile's query heads of one kv head ride as extra query rows.
+    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
+    scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, keys_per_tile)
+    scores.masked_fill_(group.blocked, float("-inf"))
+    if sinks is None:
+        weights = torch.softmax(scores, -1)
+    else:  # the sink is one more logit in each row's softmax, with no value
+        sink = sinks.float().view(1, hkv, g, 1, 1).expand(n, hkv, g, rows, 1)
+        weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
+    ctx = _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, keys_per_tile), values.permute(0, 2, 1, 3))
+    ctx = ctx.view(n, hkv, g, rows, dv)
+    if group.zero_rows is not None:
+        ctx = ctx.masked_fill(group.zero_rows, 0.0)
+    return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hq, dv)
 
 
 def _per_kv_head_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x [B, Hkv, G, Q, M] @ y [B, Hkv, M, N] -> [B, Hkv, G, Q, N]``, one matmul per kv head.
+    """``x [n, Hkv, M, K] @ y [n, Hkv, K, N] -> [n, Hkv, M, N]``, one matmul per kv head.
 
     ``y`` is a strided view of the token-major gathered cache; a matmul per head reads it in
-    place, where ``einsum`` would first copy all of K/V into head-major order (4x slower).
+    place, where a batched matmul over heads would first copy all of K/V into head-major order.
     """
-    b, hkv, g, q_rows, m = x.shape
-    return torch.stack(
-        [torch.matmul(x[:, h].reshape(b, g * q_rows, m), y[:, h]).view(b, g, q_rows, -1) for h in range(hkv)], 1
-    )
+    if x.shape[1] == 1:
+        return torch.matmul(x[:, 0], y[:, 0]).unsqueeze(1)
+    return torch.stack([torch.matmul(x[:, h], y[:, h]) for h in range(x.shape[1])], 1)

@@ -45,7 +45,7 @@ from hal.graph import EagerGraph, GraphBase, GraphUpdate, copy_into, is_capturin
 from hal.kv_pool import SplitKVPool, copy_rows
 from hal.metadata import AttentionMetadata
 from hal.protocols import Availability, KVPool
-from hal.reference import GatherWorkspace, paged_attention
+from hal.reference import GatherWorkspace, paged_attention, plan_attention
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
 
 __all__ = [
@@ -73,4 +73,5 @@ __all__ = [
     "copy_rows",
     "is_capturing",
     "paged_attention",
+    "plan_attention",
 ]

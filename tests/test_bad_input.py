@@ -95,6 +95,7 @@ class World:
         runner = GraphRunner(
             self.backend, lambda x, md: self.attn.forward(x["q"], x["k"], x["v"], SWA, md, sinks=self.sinks),
             attention=self.attn, mode=M.DECODE, tokens_per_request=1, batch_sizes=[2], max_pages_per_request=4, inputs=inputs,
+            replay_captured=True,
         )  # fmt: skip
         with torch.no_grad():
             runner.capture()
@@ -229,6 +230,7 @@ def test_graph_runner_refuses_a_second_concurrent_caller(backends: dict[str, Any
     runner = GraphRunner(
         world.backend, lambda x, md: (entered.set(), release.wait(10), x["q"] * 1)[-1], attention=world.attn,
         mode=M.DECODE, tokens_per_request=1, batch_sizes=[2], max_pages_per_request=4, inputs={"q": ((HQ, D), torch.float32)},
+        replay_captured=True,
     )  # fmt: skip
     release.set()  # capture runs the forward once: let it through
     runner.capture()
@@ -293,7 +295,7 @@ def test_untyped_refusals_are_typed(backends: dict[str, Any]) -> None:
     for kwargs in ({"tokens_per_request": 0}, {"max_pages_per_request": 0}):
         args = {"tokens_per_request": 1, "max_pages_per_request": 4, **kwargs}
         with pytest.raises(SpecError, match="must both be >= 1"):
-            GraphRunner(world.backend, lambda x, md: x, attention=world.attn, mode=M.DECODE, batch_sizes=[1], inputs={}, **args)
+            GraphRunner(world.backend, lambda x, md: x, attention=world.attn, mode=M.DECODE, batch_sizes=[1], inputs={}, **args, replay_captured=True)
     table = RequestPageTable(KVAllocator(world.backend.create_kv_pool(KVPoolSpec(1, 2 * PAGE, PAGE, 1, 8, 8))))
     with pytest.raises(hal.OutOfPagesError):
         table.reserve(7, 10 * PAGE)

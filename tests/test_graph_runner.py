@@ -66,7 +66,8 @@ def two_layer_forward(attention):
 class Twin:
     """A runner's pool and an eager twin pool, fed the same requests."""
 
-    def __init__(self, mode: ForwardMode, tpr: int, batch_sizes, max_pages: int = 8, eager_fallback: bool = True, seed: int = 0):
+    def __init__(self, mode: ForwardMode, tpr: int, batch_sizes, max_pages: int = 8, eager_fallback: bool = True, seed: int = 0,
+                 replay_captured: bool | None = True):
         self.backend = CountingBackend()
         self.pool, self.twin_pool = self.backend.create_kv_pool(SPEC), self.backend.create_kv_pool(SPEC)
         self.attention, self.twin_attention = self.backend.create_attention(self.pool), CpuAttention(self.twin_pool)
@@ -80,6 +81,7 @@ class Twin:
             max_pages_per_request=max_pages,
             inputs=INPUTS,
             eager_fallback=eager_fallback,
+            replay_captured=replay_captured,
         )
         self.runner.capture()
         self.mode, self.tpr = mode, tpr
@@ -110,6 +112,20 @@ class Twin:
                 assert torch.equal(a[0, 1:], b[0, 1:]), f"layer {layer} {get}: padding page beyond slot 0 written"
 
 
+def test_backends_whose_graphs_rerun_python_run_batches_eagerly_at_their_real_size() -> None:
+    """On the CPU backend (EagerGraph) the runner captures nothing and replays nothing: each batch
+    runs once, unpadded, with the same results and the same pool contents as the eager twin."""
+    twin = Twin(M.TARGET_VERIFY, 2, [4], replay_captured=None)
+    assert not twin.runner.replay_captured and not twin.runner._captured
+    before = CountingGraph.replays
+    for requests in ([0, 1, 2], [0], [0, 1, 2, 3, 4]):  # under, at and above the captured size
+        out, expect, _ = twin.step(requests)
+        assert_same_outputs(out, expect, len(requests) * 2)
+    assert CountingGraph.replays == before
+    for layer in range(SPEC.num_layers):  # nothing is padded, so even slot 0 agrees
+        assert torch.equal(twin.pool.k_buffer(layer), twin.twin_pool.k_buffer(layer))
+
+
 def assert_same_outputs(out, expect, rows: int) -> None:
     first, rest = out
     assert first.shape[0] == rows and rest["second"].shape[0] == rows and rest["sum"].shape[0] == rows
@@ -124,6 +140,7 @@ def test_padded_batch_size_is_the_smallest_captured_size_that_fits(sizes: list[i
     runner = GraphRunner(
         CpuBackend(), lambda i, m: None, attention=CpuAttention(CpuBackend().create_kv_pool(SPEC)), mode=M.DECODE,
         tokens_per_request=1, batch_sizes=sizes, max_pages_per_request=2, inputs={},
+        replay_captured=True,
     )
     fitting = [s for s in sizes if s >= batch]
     assert runner.padded_batch_size(batch) == (min(fitting) if fitting else None)
@@ -230,6 +247,7 @@ def test_runner_builds_one_host_update_per_captured_call_in_order() -> None:
     runner = GraphRunner(
         backend, two_layer_forward(attention), attention=attention, mode=M.TARGET_VERIFY, tokens_per_request=2,
         batch_sizes=[4], max_pages_per_request=4, inputs=INPUTS,
+        replay_captured=True,
     )
     runner.capture()
     graph = runner._captured[4].graph
@@ -249,6 +267,7 @@ def test_eager_graph_rejects_host_params() -> None:
     runner = GraphRunner(
         CpuBackend(), two_layer_forward(attention), attention=attention, mode=M.DECODE, tokens_per_request=1,
         batch_sizes=[1], max_pages_per_request=2, inputs=INPUTS,
+        replay_captured=True,
     )
     runner.capture()
     md = build_metadata(M.DECODE, kv_lens=[1], q_lens=[1], page_table=[[1]], out_cache_loc=[4], pool=pool)
@@ -325,14 +344,14 @@ def test_runner_constructor_validation(kwargs, error, fragment: str) -> None:
                 max_pages_per_request=2, inputs=INPUTS)
     args.update(kwargs)
     with pytest.raises(error, match=fragment):
-        GraphRunner(CpuBackend(), lambda i, m: None, **args)
+        GraphRunner(CpuBackend(), lambda i, m: None, **args, replay_captured=True)
 
 
 def test_run_validation() -> None:
     pool = CpuBackend().create_kv_pool(SPEC)
     attention = CpuAttention(pool)
     runner = GraphRunner(CpuBackend(), two_layer_forward(attention), attention=attention, mode=M.TARGET_VERIFY,
-                         tokens_per_request=2, batch_sizes=[2], max_pages_per_request=2, inputs=INPUTS)
+                         tokens_per_request=2, batch_sizes=[2], max_pages_per_request=2, inputs=INPUTS, replay_captured=True)
     inputs = {name: torch.zeros((2, *shape)) for name, (shape, _) in INPUTS.items()}
     md = build_metadata(M.TARGET_VERIFY, kv_lens=[2], q_lens=[2], page_table=[[1]], out_cache_loc=[4, 5], pool=pool)
     with pytest.raises(GraphError, match=r"capture\(\) first"):

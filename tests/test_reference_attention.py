@@ -206,27 +206,52 @@ def test_one_request_per_gather_chunk_matches_dense_oracle(mode, window, sinks, 
     assert_close(out, expect, torch.float32)
 
 
-def test_gather_chunks_group_consecutive_requests_within_the_budget(monkeypatch) -> None:
-    """The budget counts fp32 K+V of the widest request times the group size."""
-    seen: list[int] = []
-    real = reference_attention._attend_requests
-
-    def spy(q, k_cache, v_cache, block_table, *args, **kwargs):
-        seen.append(block_table.shape[0])
-        return real(q, k_cache, v_cache, block_table, *args, **kwargs)
-
-    monkeypatch.setattr(reference_attention, "_attend_requests", spy)
+def test_gather_chunks_group_consecutive_requests_within_the_budget() -> None:
+    """The budget counts fp32 K+V of the widest tile times the group size."""
     ps, hkv, dk, dv = 4, 1, 2, 2
-    k_cache, v_cache = torch.randn(9, ps, hkv, dk), torch.randn(9, ps, hkv, dv)
     block_table = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 0], [7, 0]])
-    kv_lens = torch.tensor([8, 4, 5, 3, 1])  # padded to 8, 4, 8, 4, 4 slots
-    q = torch.randn(5, 1, dk)
+    kv_lens = [8, 4, 5, 3, 1]  # pages 2, 1, 2, 1, 1
     token = hkv * (dk + dv) * 4
-    paged_attention(q, k_cache, v_cache, block_table, kv_lens, torch.arange(6), scaling=1.0, chunk_bytes=16 * token)
-    assert seen == [2, 2, 1]  # 8x2 fits, 8x3 does not; 8x2 again; the last alone
-    seen.clear()
-    paged_attention(q, k_cache, v_cache, block_table, kv_lens, torch.arange(6), scaling=1.0, chunk_bytes=1)
-    assert seen == [1] * 5
+    plan = reference_attention.plan_attention(kv_lens, [1] * 5, block_table, ps, sliding_window=None, token_bytes=token,
+                                              chunk_bytes=16 * token)
+    assert [g.tiles for g in plan.groups] == [2, 2, 1]  # 8x2 fits, 8x3 does not; 8x2 again; the last alone
+    assert [g.pages for g in plan.groups] == [2, 2, 1]
+    plan = reference_attention.plan_attention(kv_lens, [1] * 5, block_table, ps, sliding_window=None, token_bytes=token,
+                                              chunk_bytes=1)
+    assert [g.tiles for g in plan.groups] == [1] * 5
+
+
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (None, True, False), (2, True, True), (5, False, True)])
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def test_prefill_cut_into_tiles_matches_dense_oracle(window, sinks, hybrid, chunk_bytes, monkeypatch) -> None:
+    """Prompts longer than a tile (tiles of 3 rows here): tiles that start mid-page, end mid-page,
+    follow a cached prefix, and are grouped together or one by one."""
+    monkeypatch.setattr(reference_attention, "EXTEND_TILE_ROWS", 3)
+    if chunk_bytes is not None:
+        monkeypatch.setattr(reference_attention, "GATHER_CHUNK_BYTES", chunk_bytes)
+    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    out, expect = run_reference(M.EXTEND, layer, [23, 10, 1, 7], [11, 10, 1, 2], page_size=4, dtype=torch.float32,
+                                seed=5, hybrid=hybrid)
+    assert_close(out, expect, torch.float32)
+
+
+@pytest.mark.parametrize("kv_len", [64, 1024, 16384])
+def test_sliding_window_tiles_gather_only_the_window_pages(kv_len) -> None:
+    """A window layer's decode and verify tiles read the pages of the last W + rows positions,
+    however long the context; a prefill tile reads its rows plus W keys before them."""
+    ps, window = 16, 20
+    pages = -(-kv_len // ps)
+    table = torch.arange(1, pages + 1)[None, :]
+    for q_len in (1, 4):
+        plan = reference_attention.plan_attention([kv_len], [q_len], table, ps, sliding_window=window, token_bytes=8)
+        (group,) = plan.groups
+        first_key = kv_len - q_len - window
+        assert group.pages == pages - first_key // ps  # the pages from the one holding the oldest visible key
+        assert torch.equal(group.page_ids, torch.arange(first_key // ps + 1, pages + 1))
+    plan = reference_attention.plan_attention([kv_len], [kv_len], table, ps, sliding_window=window, token_bytes=8)
+    rows = reference_attention.EXTEND_TILE_ROWS
+    assert sum(g.tiles for g in plan.groups) == -(-kv_len // rows)
+    assert max(g.pages for g in plan.groups) <= -(-(rows + window) // ps) + 1
 
 
 # -- hand-computed cases: q = 0 makes every visible score 0, so each output is a plain average ----------

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
-from hal.sdk import AttentionKernelBase, AttentionMetadata, GatherWorkspace, KVPool, LayerSpec, paged_attention
+from hal.sdk import AttentionKernelBase, AttentionMetadata, GatherWorkspace, KVPool, LayerSpec, paged_attention, plan_attention
 
 
 class CpuAttention(AttentionKernelBase):
@@ -31,4 +32,15 @@ class CpuAttention(AttentionKernelBase):
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        return self._paged(paged_attention, q, layer, metadata, sinks, workspace=self.workspace)
+        table = self.block_table(layer, metadata)
+        heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
+        key = ("reference-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv))
+
+        def plan() -> Any:
+            kv_lens, q_lens = metadata.host_lengths()
+            return plan_attention(kv_lens, q_lens, table, metadata.page_size, sliding_window=layer.sliding_window,
+                                  token_bytes=heads * (dk + dv) * 4)
+
+        # Layers of one kind share the plan: index tensors and masks are built once per forward.
+        return self._paged(paged_attention, q, layer, metadata, sinks, workspace=self.workspace,
+                           plan=metadata.cached(key, plan))

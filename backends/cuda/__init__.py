@@ -48,6 +48,7 @@ class CudaBackend(BackendBase):
     kv_pool_class = CudaKVPool
     attention_class = CudaAttention
     graph_class = CudaGraph
+    captures_graphs = True
     _emulation: ClassVar[bool] = False
 
     def __init__(self, index: int | None = None) -> None:

@@ -40,6 +40,7 @@ class NpuBackend(BackendBase):
     kv_pool_class = NpuKVPool
     attention_class = NpuAttention
     graph_class = NpuGraph
+    captures_graphs = True
 
     def __init__(self, index: int | None = None) -> None:
         super().__init__(index)

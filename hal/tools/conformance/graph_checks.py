@@ -200,6 +200,7 @@ class _LoopWorld:
             batch_sizes=self.cfg.batch_sizes,
             max_pages_per_request=self.max_pages,
             inputs=inputs,
+            replay_captured=True,
         )
 
     def _run(
