@@ -56,6 +56,8 @@ class SplitKVPool:
         # The same views as [slots, kv_heads, dim], the shape set_kv writes rows into.
         self._k_rows = [b.view(-1, *b.shape[2:]) for b in self._k_views]
         self._v_rows = [b.view(-1, *b.shape[2:]) for b in self._v_views]
+        # Their wide-element views (see copy_rows), keyed by the row view's identity.
+        self._wide_views = {id(b): _wide_rows(b) for b in self._k_rows + self._v_rows}
         self.full_to_swa_page: torch.Tensor | None = None
         # A host mirror of the mapping: slot checks read it without a device sync.
         self._full_to_swa_page_host: torch.Tensor | None = None
@@ -69,7 +71,7 @@ class SplitKVPool:
 
     def _write_rows(self, buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
         """``buffer[loc[i]] = rows[i]``; ``buffer`` is a layer viewed as ``[slots, heads, dim]``."""
-        copy_rows(buffer, loc, rows)
+        copy_rows(buffer, loc, rows, wide_buffer=self._wide_views.get(id(buffer)))
 
     # -- layout ----------------------------------------------------------------------------
     def _check_layer(self, layer: int) -> None:
@@ -243,10 +245,10 @@ class SplitKVPool:
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)
 
 
-def copy_rows(buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+def copy_rows(buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor, *, wide_buffer: torch.Tensor | None = None) -> None:
     """``buffer[loc[i]] = rows[i]`` by ``index_copy_``, on rows read as wide elements where both
-    sides allow it (bit for bit the same bytes)."""
-    wide = _wide_rows(buffer), _wide_rows(rows)
+    sides allow it (bit for bit the same bytes). ``wide_buffer``: ``buffer``'s wide view, if known."""
+    wide = (_wide_rows(buffer) if wide_buffer is None else wide_buffer), _wide_rows(rows)
     if wide[0] is not None and wide[1] is not None and wide[0].dtype == wide[1].dtype:
         wide[0].index_copy_(0, loc, wide[1])
     else:

@@ -116,7 +116,12 @@ class AttentionMetadata:
     def _stamp(self) -> tuple[int, ...]:
         """Changes when a device tensor is rewritten in place (a graph update copying a new batch
         into captured metadata)."""
-        return tuple(write_count(t) for t in self.tensors().values())
+        tensors = (self.kv_lens, self.q_lens, self.cu_q_lens, self.positions, self.out_cache_loc, self.block_table,
+                   self.swa_block_table)  # fmt: skip
+        try:
+            return tuple(t._version for t in tensors if t is not None)
+        except RuntimeError:  # inference tensors keep no version counter
+            return tuple(write_count(t) for t in tensors if t is not None)
 
     def is_current(self) -> bool:
         """Whether the device tensors still hold the values this metadata was built with (so the

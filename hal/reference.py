@@ -250,12 +250,19 @@ def _attend_group(
     return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hq, dv)
 
 
+# Below this many gathered elements a batched matmul over kv heads (which first copies K or V into
+# head-major order) beats one matmul per head: the copy is cheaper than the extra calls.
+BATCHED_HEADS_MAX_ELEMENTS = 1 << 16
+
+
 def _per_kv_head_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x [n, Hkv, M, K] @ y [n, Hkv, K, N] -> [n, Hkv, M, N]``, one matmul per kv head.
+    """``x [n, Hkv, M, K] @ y [n, Hkv, K, N] -> [n, Hkv, M, N]``.
 
     ``y`` is a strided view of the token-major gathered cache; a matmul per head reads it in
     place, where a batched matmul over heads would first copy all of K/V into head-major order.
     """
     if x.shape[1] == 1:
         return torch.matmul(x[:, 0], y[:, 0]).unsqueeze(1)
+    if y.numel() <= BATCHED_HEADS_MAX_ELEMENTS:
+        return torch.matmul(x, y)
     return torch.stack([torch.matmul(x[:, h], y[:, h]) for h in range(x.shape[1])], 1)
