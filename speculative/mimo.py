@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hal.errors import CheckpointError
-from hal.graph import is_capturing
 from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo_config import AttentionShape, MiMoConfig
@@ -74,8 +73,9 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts without shared ones; experts stored stacked ``[E, ...]`` and run as one
-    batched matmul over experts (tokens grouped by expert, padded to the busiest expert)."""
+    """Routed experts without shared ones; experts stored stacked ``[E, ...]``; tokens grouped by
+    expert run as one grouped GEMM (or, where torch has none for the device and dtype, as a batched
+    matmul over experts padded to the token count)."""
 
     def __init__(self, config: MiMoConfig) -> None:
         super().__init__()
@@ -108,22 +108,48 @@ class MoE(nn.Module):
         t, h = x.shape
         experts, weights = self.route(x)
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        expert_of = flat[order]
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         token_of = order // experts.shape[1]
         counts = torch.zeros(self.config.n_routed_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(flat.numel(), device=x.device) - starts[expert_of]
-        # An expert takes each token at most once, so t rows always suffice; outside a graph capture
-        # the busiest expert's count (one host read) keeps the padded batch small for long prefills.
-        capacity = t if is_capturing() or t == 0 else int(counts.max())
-        grouped = x.new_zeros((self.config.n_routed_experts, capacity, h))
-        grouped[expert_of, slot] = x[token_of]
-        act = F.silu(torch.bmm(grouped, self.gate_proj.transpose(1, 2))) * torch.bmm(grouped, self.up_proj.transpose(1, 2))
-        out_grouped = torch.bmm(act, self.down_proj.transpose(1, 2))
-        rows = out_grouped[expert_of, slot] * weights.reshape(-1)[order, None].to(x.dtype)
+        # Group sizes stay on the device (no host read, so the layer also runs inside a graph capture).
+        pairs = x[token_of]
+        if _grouped_matmul_works(x, self.config.moe_intermediate_size):
+            ends = torch.cumsum(counts, 0).to(torch.int32)
+            act = F.silu(_grouped_mm(pairs, self.gate_proj.transpose(1, 2), ends)) * _grouped_mm(pairs, self.up_proj.transpose(1, 2), ends)
+            rows = _grouped_mm(act, self.down_proj.transpose(1, 2), ends)
+        else:  # padded per-expert batches; an expert takes each token at most once, so t rows suffice
+            expert_of = flat[order]
+            slot = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+            grouped = x.new_zeros((self.config.n_routed_experts, t, h))
+            grouped[expert_of, slot] = pairs
+            act = F.silu(torch.bmm(grouped, self.gate_proj.transpose(1, 2))) * torch.bmm(grouped, self.up_proj.transpose(1, 2))
+            rows = torch.bmm(act, self.down_proj.transpose(1, 2))[expert_of, slot]
+        rows = rows * weights.reshape(-1)[order, None].to(x.dtype)
         return x.new_zeros((t, h)).index_add_(0, token_of, rows)
+
+
+def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ``ends[e-1]:ends[e]`` of ``x`` times ``weights[e]``, one grouped GEMM."""
+    return torch._grouped_mm(x, weights, offs=ends)
+
+
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_matmul_works(x: torch.Tensor, *inner_dims: int) -> bool:
+    """Whether torch's grouped GEMM runs for ``x``'s device type and dtype (tried once on a small
+    case); its operands' rows (``x``'s and ``inner_dims`` wide) must be 16-byte aligned."""
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_MM_WORKS:
+        try:
+            probe = torch.ones((2, 16), dtype=x.dtype, device=x.device)
+            out = _grouped_mm(probe, torch.ones((2, 16, 16), dtype=x.dtype, device=x.device),
+                              torch.tensor([1, 2], dtype=torch.int32, device=x.device))
+            _GROUPED_MM_WORKS[key] = out.shape == (2, 16)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _GROUPED_MM_WORKS[key] = False
+    return _GROUPED_MM_WORKS[key] and all(d * x.element_size() % 16 == 0 for d in (x.shape[1], *inner_dims))
 
 
 class DecoderLayer(nn.Module):
