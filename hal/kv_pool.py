@@ -163,7 +163,8 @@ class SplitKVPool:
         return self.full_to_swa_page[torch.div(loc, ps, rounding_mode="floor")] * ps + loc % ps
 
     # -- writes ----------------------------------------------------------------------------
-    def _validate(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_slots: bool = True) -> None:
+    def _validate(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Types, shapes, dtypes and devices of a write (slot values are checked by the caller)."""
         self._check_layer(layer)
         heads, dk, dv = self.spec.layer_dims(layer)
         if not isinstance(loc, torch.Tensor) or loc.dim() != 1 or loc.dtype not in (torch.int32, torch.int64):
@@ -183,9 +184,6 @@ class SplitKVPool:
                 raise KVLayoutError(f"set_kv layer {layer}: {name} is on {x.device}, the pool is on {self.device}")
         if loc.device != self.device:
             raise KVLayoutError(f"set_kv layer {layer}: loc is on {loc.device}, the pool is on {self.device}")
-        if n == 0 or is_capturing() or not check_slots:
-            return  # reading loc's values would synchronize inside a capture
-        self.check_slots(loc.cpu(), f"set_kv layer {layer}", swa=self.is_swa_layer(layer))
 
     # -- host-side checks of slot and page ids ---------------------------------------------
     def check_slots(self, loc: torch.Tensor, where: str, *, swa: bool | None = None) -> None:
@@ -223,8 +221,11 @@ class SplitKVPool:
             raise CacheLocationError(f"{where}: page id {bad} outside the pool's pages 0..{self.spec.num_pages}")
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k[i], v[i]`` at full-pool slot ``loc[i]`` of ``layer``; validates before writing."""
+        """Write ``k[i], v[i]`` at full-pool slot ``loc[i]`` of ``layer``; validates before writing
+        (slot values too, reading ``loc`` back, except inside a graph capture where that would sync)."""
         self._validate(layer, loc, k, v)
+        if loc.shape[0] and not is_capturing():
+            self.check_slots(loc.cpu(), f"set_kv layer {layer}", swa=self.is_swa_layer(layer))
         slots = self.translate_loc(layer, loc.long())
         self._write_rows(self._k_rows[layer], slots, k)
         self._write_rows(self._v_rows[layer], slots, v)
@@ -232,7 +233,7 @@ class SplitKVPool:
     def set_kv_for_forward(self, layer: int, metadata: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """``set_kv`` at ``metadata.out_cache_loc`` with the slot checks done once per forward."""
         loc = metadata.out_cache_loc
-        self._validate(layer, loc, k, v, check_slots=False)
+        self._validate(layer, loc, k, v)
         metadata.check_against(self)
         swa = self.is_swa_layer(layer)
         slots = metadata.cached(("pool-slots", id(self), swa), lambda: self.translate_loc(layer, loc.long()))

@@ -273,25 +273,27 @@ def build_metadata(
     q_t = torch.tensor(q, dtype=torch.int32)
     cu = torch.zeros(len(kv) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(q_t, 0)
-    total = int(cu[-1])
+    total = sum(q)
     req = torch.repeat_interleave(torch.arange(len(kv)), q_t.long())
     start = (kv_t - q_t).long()
     positions = start[req] + torch.arange(total) - cu[:-1].long()[req]
-    table_d = table.to(device)
+    if loc.numel() != total:
+        raise SpecError(f"build_metadata: out_cache_loc has shape ({loc.numel()},), expected ({total},): one slot per new token")
+    d_positions, d_loc, d_kv, d_q, d_cu, d_table = _upload([positions, loc, kv_t, q_t, cu, table], device)
     swa_table = None
     if pool is not None and pool.spec.swa is not None:
-        swa_table = pool.swa_block_table(table_d)
+        swa_table = pool.swa_block_table(d_table)
     metadata = AttentionMetadata(
         mode=mode,
         page_size=page_size,
         kv_lens_cpu=kv,
         q_lens_cpu=q,
-        kv_lens=kv_t.to(device),
-        q_lens=q_t.to(device),
-        cu_q_lens=cu.to(device),
-        positions=positions.to(device),
-        out_cache_loc=loc.to(device),
-        block_table=table_d,
+        kv_lens=d_kv,
+        q_lens=d_q,
+        cu_q_lens=d_cu,
+        positions=d_positions,
+        out_cache_loc=d_loc,
+        block_table=d_table,
         swa_block_table=swa_table,
         out_cache_loc_host=loc,
         block_table_host=table,
@@ -302,6 +304,48 @@ def build_metadata(
     if pool is not None:
         metadata.check_against(pool)
     return metadata
+
+
+def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The int32/int64 host tensors on ``device`` with one copy: packed into one int32 buffer (pinned
+    where the runtime allows, so the copy does not wait for the device), then viewed back.
+    Tensors already on ``device`` come back as they are."""
+    if all(t.device == device for t in host):
+        return host
+    return unpack_ints(pack_ints(host, pin_memory=True).to(device, non_blocking=True), host)
+
+
+def pack_ints(tensors: Sequence[torch.Tensor], *, pin_memory: bool = False) -> torch.Tensor:
+    """int32/int64 host tensors in one int32 buffer (int64 ones first, at 8-byte aligned offsets)."""
+    words = [t.numel() * (2 if t.dtype == torch.int64 else 1) for t in tensors]
+    try:
+        packed = torch.empty(sum(words), dtype=torch.int32, pin_memory=pin_memory)
+    except RuntimeError:  # no pinned memory for this runtime
+        packed = torch.empty(sum(words), dtype=torch.int32)
+    offset = 0
+    for i in _pack_order(tensors):
+        packed[offset : offset + words[i]] = tensors[i].reshape(-1).view(torch.int32)
+        offset += words[i]
+    return packed
+
+
+def unpack_ints(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of a ``pack_ints`` buffer with the shapes and dtypes of the packed ``like`` tensors."""
+    out: list[torch.Tensor] = list(like)
+    offset = 0
+    for i in _pack_order(like):
+        n = like[i].numel() * (2 if like[i].dtype == torch.int64 else 1)
+        part = packed[offset : offset + n]
+        out[i] = (part.view(torch.int64) if like[i].dtype == torch.int64 else part).view(like[i].shape)
+        offset += n
+    return out
+
+
+def _pack_order(tensors: Sequence[torch.Tensor]) -> list[int]:
+    for t in tensors:
+        if t.dtype not in (torch.int32, torch.int64):
+            raise SpecError(f"pack_ints: int32/int64 tensors only, got {t.dtype}")
+    return sorted(range(len(tensors)), key=lambda i: tensors[i].dtype != torch.int64)
 
 
 def _check_distinct_slots(loc: torch.Tensor, page_size: int) -> None:

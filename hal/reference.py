@@ -157,6 +157,24 @@ def _group(
     return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows)
 
 
+def plan_from_tensors(
+    kv_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sliding_window: int | None,
+    chunk_bytes: int | None = None,
+) -> AttentionPlan:
+    """``plan_attention`` for lengths given as tensors (read back here), for calls without metadata."""
+    cu = cu_q_lens.tolist()
+    token_bytes = v_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * 4
+    return plan_attention(
+        kv_lens.tolist(), [cu[i + 1] - cu[i] for i in range(len(cu) - 1)], block_table, v_cache.shape[1],
+        sliding_window=sliding_window, token_bytes=token_bytes, chunk_bytes=chunk_bytes,
+    )
+
+
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, workspace: GatherWorkspace | None, name: str) -> torch.Tensor:
     """``cache[pages]`` in fp32; index_select copies a whole page per index (twice the speed of
     advanced indexing)."""
@@ -193,13 +211,9 @@ def paged_attention(
     call allocates its own).
     """
     t, hq, _ = q.shape
-    hkv, dk, dv = v_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    dv = v_cache.shape[3]
     if plan is None:
-        cu = cu_q_lens.tolist()
-        plan = plan_attention(
-            kv_lens.tolist(), [cu[i + 1] - cu[i] for i in range(len(cu) - 1)], block_table, v_cache.shape[1],
-            sliding_window=sliding_window, token_bytes=hkv * (dk + dv) * 4, chunk_bytes=chunk_bytes,
-        )
+        plan = plan_from_tensors(kv_lens, cu_q_lens, block_table, k_cache, v_cache, sliding_window, chunk_bytes)
     if t == 0 or not plan.groups:
         return torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
     if len(plan.groups) == 1 and plan.groups[0].out_rows is None:  # decode, verify, draft: no scatter

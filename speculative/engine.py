@@ -215,6 +215,14 @@ class TargetEngine:
             requests.append(Request(i, prompt, limit))
         return requests
 
+    def keep_rows(self, rows: torch.Tensor, requests: Sequence[Request], kept: Sequence[Request]) -> torch.Tensor:
+        """The first-dim rows of ``rows`` (one per request of ``requests``) that belong to ``kept``;
+        the same tensor while no request left (no upload), an index upload when some did."""
+        if len(kept) == len(requests):
+            return rows
+        position = {r.rid: i for i, r in enumerate(requests)}
+        return rows[torch.tensor([position[r.rid] for r in kept], dtype=torch.int64, device=rows.device)]
+
     def _finish(self, request: Request) -> None:
         if request.rid in self.page_table:
             self.page_table.release(request.rid)
@@ -278,15 +286,16 @@ class GreedyDecoder(TargetEngine):
             r.emit([token], eos_token_id)
         forwards = 1
         active = [r for r in requests if not r.finished]
+        ids = self.keep_rows(next_tokens, requests, active)  # each request's last token, on the device
         while active:
             metadata = self._metadata(ForwardMode.DECODE, active, [1] * len(active))
-            ids = torch.tensor([r.output[-1] for r in active], dtype=torch.int64, device=self.device)
-            tokens = self.decode_runner.run({"input_ids": ids}, metadata).tolist()
+            tokens = self.decode_runner.run({"input_ids": ids}, metadata)
             forwards += 1
-            for r, token in zip(active, tokens):
+            for r, token in zip(active, tokens.tolist()):  # the step's one read-back
                 r.committed += 1
                 r.emit([token], eos_token_id)
                 if r.finished:
                     self._finish(r)
-            active = [r for r in active if not r.finished]
+            still = [r for r in active if not r.finished]
+            ids, active = self.keep_rows(tokens, active, still), still
         return forwards, []

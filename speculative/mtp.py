@@ -88,17 +88,21 @@ class MultiLayerEagleWorker(TargetEngine):
         return attrs.evolve(metadata, mode=mode, swa_block_table=None)
 
     def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
-        self._prefill(requests, eos_token_id)
+        verify_ids = self._prefill(requests, eos_token_id)
         forwards, accept_lengths = 1, []
         active = [r for r in requests if not r.finished]
+        verify_ids = self.keep_rows(verify_ids, requests, active)
         while active:
             forwards += 1
-            accept_lengths += self._step(active, eos_token_id)
-            active = [r for r in active if not r.finished]
+            next_ids, accepted = self._step(active, verify_ids.view(-1), eos_token_id)
+            accept_lengths += accepted
+            still = [r for r in active if not r.finished]
+            verify_ids, active = self.keep_rows(next_ids, active, still), still
         return forwards, accept_lengths
 
-    def _prefill(self, requests: list[Request], eos_token_id: int | None) -> None:
-        """Target EXTEND, then MTP block k over the prompts with the ids rotated k + 1 times: the first drafts."""
+    def _prefill(self, requests: list[Request], eos_token_id: int | None) -> torch.Tensor:
+        """Target EXTEND, then MTP block k over the prompts with the ids rotated k + 1 times: the first
+        drafts. Returns each request's first verify ids ``[bonus, d1..dS]``, on the device."""
         ids, hidden, metadata, last_rows, next_tokens = self._prefill_target(requests)
         mtp_metadata = self._for_mtp_pool(metadata, ForwardMode.EXTEND)
         attend = KernelAttend(self.mtp_attention, mtp_metadata)
@@ -108,27 +112,29 @@ class MultiLayerEagleWorker(TargetEngine):
             h = self.model.mtp_hidden(k, ids, hidden, mtp_metadata.positions, attend)
             drafts.append(self.model.logits(h[last_rows]).argmax(-1))
             ids = rotate_input_ids(ids, last_rows, drafts[-1])
-        for r, token, d in zip(requests, next_tokens.tolist(), torch.stack(drafts, 1).tolist()):
+        verify_ids = torch.stack([next_tokens, *drafts], 1)
+        for r, (token, *d) in zip(requests, verify_ids.tolist()):  # the prefill's one read-back
             r.committed = len(r.prompt)
             r.drafts = d
             r.emit([token], eos_token_id)
             if r.finished:
                 self._finish(r)
+        return verify_ids
 
-    def _step(self, active: list[Request], eos_token_id: int | None) -> list[int]:
-        """One verify + accept + draft round for every active request; returns their accept lengths."""
+    def _step(self, active: list[Request], verify_ids: torch.Tensor, eos_token_id: int | None) -> tuple[torch.Tensor, list[int]]:
+        """One verify + accept + draft round for every active request, whose ``[bonus, d1..dS]`` rows
+        are ``verify_ids`` (on the device). Returns the next round's verify ids ``[B, S + 1]`` (on the
+        device) and the accept lengths; reads the device back once."""
         b, rows = len(active), self.num_steps + 1
 
         # 1. Verify: the target reads [bonus, d1..dS] of each request at positions L .. L + S.
         metadata = self._metadata(ForwardMode.TARGET_VERIFY, active, [rows] * b)
-        verify_ids = torch.tensor(
-            [[r.output[-1], *r.drafts] for r in active], dtype=torch.int64, device=self.device
-        ).view(-1)
         target_tokens, target_hidden = self.verify_runner.run({"input_ids": verify_ids}, metadata)
 
         # 2. Accept: drafts while they equal the target's own greedy tokens, plus the target's next
         #    token. What is emitted is always the target's output, so decoding stays lossless.
-        accept = greedy_accept(verify_ids.view(b, rows)[:, 1:], target_tokens.view(b, rows))
+        targets = target_tokens.view(b, rows)
+        accept = greedy_accept(verify_ids.view(b, rows)[:, 1:], targets)
         last_accepted_row = torch.arange(b, device=self.device) * rows + accept - 1
 
         # 3. Draft: MTP block k over the same rows with the target's hidden states; its token at
@@ -140,15 +146,17 @@ class MultiLayerEagleWorker(TargetEngine):
             step_tokens = runner.run({"input_ids": ids, "hidden": target_hidden}, draft_metadata)
             new_drafts.append(step_tokens[last_accepted_row])
             ids = rotate_input_ids(ids, last_accepted_row, new_drafts[-1])
+        bonus = target_tokens[last_accepted_row]  # the target's token after the accepted ones
+        next_ids = torch.stack([bonus, *new_drafts], 1)
 
-        # 4. Commit on the host (the iteration's one read-back): L += a, emit, keep the new drafts.
-        accepted = accept.tolist()
-        targets = target_tokens.view(b, rows).tolist()
-        drafts = torch.stack(new_drafts, 1).tolist()
-        for r, a, row, d in zip(active, accepted, targets, drafts):
+        # 4. Commit on the host, from the iteration's one read-back: L += a, emit, keep the drafts.
+        packed = torch.cat([accept[:, None], targets, next_ids[:, 1:]], 1).tolist()
+        accepted = []
+        for r, (a, *rest) in zip(active, packed):
+            accepted.append(a)
             r.committed += a
-            r.drafts = d
-            r.emit(row[:a], eos_token_id)
+            r.drafts = rest[rows:]
+            r.emit(rest[:a], eos_token_id)
             if r.finished:
                 self._finish(r)
-        return accepted
+        return next_ids, accepted

@@ -275,3 +275,30 @@ def test_hand_built_metadata() -> None:
     assert md.cu_q_lens_cpu == (2, 5)
     assert md.positions.tolist() == [3, 4, 0, 1, 2]
     assert md.block_table.tolist() == [[7, 2], [5, 0]]
+
+
+def test_one_packed_upload_round_trips_every_tensor_bit_for_bit() -> None:
+    """build_metadata sends its int32 and int64 tensors to a device as one buffer; unpacking gives
+    back every tensor's values, shape and dtype, the int64 ones at 8-byte aligned offsets."""
+    from hal.metadata import pack_ints, unpack_ints
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(-(2**40), 2**40, (5,), generator=gen),  # int64 beyond int32's range
+        torch.randint(-(2**31), 2**31 - 1, (3,), generator=gen, dtype=torch.int32),
+        torch.randint(0, 100, (2, 3), generator=gen, dtype=torch.int32),
+        torch.randint(-(2**62), 2**62, (1,), generator=gen),
+        torch.zeros(0, dtype=torch.int32),
+    ]
+    packed = pack_ints(tensors)
+    assert packed.dtype == torch.int32 and packed.numel() == 5 * 2 + 3 + 6 + 2
+    received = packed.clone()
+    back = unpack_ints(received, tensors)
+    for original, unpacked in zip(tensors, back):
+        assert unpacked.dtype == original.dtype and unpacked.shape == original.shape
+        assert torch.equal(unpacked, original)
+        assert unpacked.numel() == 0 or unpacked.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+        if unpacked.dtype == torch.int64:
+            assert (unpacked.data_ptr() - received.data_ptr()) % 8 == 0
+    with pytest.raises(SpecError, match="int32/int64"):
+        pack_ints([torch.zeros(2)])
