@@ -56,14 +56,41 @@ class Measurement:
     ratio_of: str  # what the ratio means, e.g. "hal/copy throughput"
     target: str = ""
     met: bool | None = None
+    spread: tuple[float, float] | None = None  # lowest and highest of the paired ratios
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the spread is too wide to judge: the paired ratios vary by more than 1.5x, or the
+        target's bound lies inside them (the verdict could go either way)."""
+        if self.spread is None:
+            return False
+        low, high = self.spread
+        if low <= 0 or high / low > 1.5:
+            return True
+        return bool(self.target) and low <= float(self.target.split()[-1]) <= high
 
     def cells(self) -> list[str]:
         """The row's cells in ``HEADER`` order."""
         met = "" if self.met is None else ("yes" if self.met else "**no**")
-        return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", self.ratio_of, self.target, met]
+        if self.noisy:
+            met = (met + " (noisy)").strip()
+        spread = "" if self.spread is None else f"{self.spread[0]:.3g}-{self.spread[1]:.3g}"
+        return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", spread, self.ratio_of,
+                self.target, met]
 
 
-HEADER = ["benchmark", "hal", "baseline", "unit", "ratio", "ratio is", "target", "met"]
+HEADER = ["benchmark", "hal", "baseline", "unit", "ratio", "spread", "ratio is", "target", "met"]
+
+
+def judged(name: str, hal: float, baseline: float, unit: str, ratios: Sequence[float], ratio_of: str, target: str = "") -> Measurement:
+    """A row from paired ratios: their median, their spread, and the verdict against ``target``
+    (``">= x"`` or ``"<= x"``) from the median."""
+    ratio = statistics.median(ratios)
+    met = None
+    if target:
+        op, bound = target.split()
+        met = ratio >= float(bound) if op == ">=" else ratio <= float(bound)
+    return Measurement(name, hal, baseline, unit, ratio, ratio_of, target, met, (min(ratios), max(ratios)))
 
 
 def _fmt(x: float) -> str:
@@ -83,6 +110,8 @@ class BenchConfig:
     head_dim: int = MIMO_QK_DIM
     v_head_dim: int = MIMO_V_DIM
     page_size: int = 128
+    window: int = 127  # MiMo-V2-Flash's sliding window (hal's W: the last W + 1 keys)
+    window_kv_lens: tuple[int, ...] = (4096, 16384)
     repeats: int = 15
     warmup: int = 3
     min_sample_s: float = 0.002  # a timed sample repeats the op until it lasts about this long
@@ -90,7 +119,7 @@ class BenchConfig:
     @classmethod
     def quick(cls) -> BenchConfig:
         """Small shapes and few repeats, for smoke runs."""
-        return cls(decode_batch=2, decode_kv_len=256, extend_len=128, write_tokens=512, repeats=5, warmup=1)
+        return cls(decode_batch=2, decode_kv_len=256, extend_len=128, write_tokens=512, window_kv_lens=(1024,), repeats=5, warmup=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +147,7 @@ class PairTiming:
     a: float
     b: float
     a_over_b: float
+    ratios: tuple[float, ...] = ()  # every per-pair a/b
 
 
 def time_pair(
@@ -143,7 +173,8 @@ def time_pair(
     for _ in range(repeats):
         ta.append(_sample(backend, a, inner[0]))
         tb.append(_sample(backend, b, inner[1]))
-    return PairTiming(stat(ta), stat(tb), statistics.median(x / max(y, 1e-12) for x, y in zip(ta, tb)))
+    ratios = tuple(x / max(y, 1e-12) for x, y in zip(ta, tb))
+    return PairTiming(stat(ta), stat(tb), statistics.median(ratios), ratios)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +238,8 @@ def bench_kv_write(s: _Setup, tokens: int) -> list[Measurement]:
         (bare_scatter, "bare index_copy_", "hal/index_copy_ throughput", ""),
     ):
         pt = time_pair(s.backend, hal_write, baseline, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
-        t_hal, t_base, ratio = pt.a, pt.b, 1 / pt.a_over_b
-        out.append(Measurement(f"KV write, {tokens} scattered tokens (set_kv vs {label})", nbytes / t_hal / 1e9,
-                               nbytes / t_base / 1e9, "GB/s", ratio, ratio_of, target, (ratio >= 0.5) if target else None))
+        out.append(judged(f"KV write, {tokens} scattered tokens (set_kv vs {label})", nbytes / pt.a / 1e9,
+                          nbytes / pt.b / 1e9, "GB/s", [1 / r for r in pt.ratios], ratio_of, target))
     return out
 
 
@@ -266,12 +296,15 @@ def _fastest(backend: Backend, candidates: dict[str, Callable[[], Any]]) -> tupl
     return best, candidates[best]
 
 
-def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
-    """Paged attention (no KV write) vs the fastest exact dense SDPA on the same gathered K/V."""
+def bench_attention(s: _Setup, mode: ForwardMode, *, window: int | None = None, kv_len: int | None = None) -> Measurement:
+    """Paged attention (no KV write) vs the fastest exact dense SDPA on the same gathered K/V; with
+    ``window``, a sliding-window decode against SDPA over the last ``window + 1`` keys only."""
     c, layer = s.cfg, s.layer()
     decode = mode is ForwardMode.DECODE
+    if window is not None:
+        layer = attrs.evolve(layer, sliding_window=window)
     if decode:
-        batch, kv_len, q_len = c.decode_batch, c.decode_kv_len, 1
+        batch, kv_len, q_len = c.decode_batch, kv_len or c.decode_kv_len, 1
     else:
         batch, kv_len, q_len = 1, c.extend_len, c.extend_len
     lengths = [kv_len] * batch
@@ -288,6 +321,8 @@ def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
     q = s.randn(batch * q_len, c.q_heads, c.head_dim)
     k_new, v_new = s.randn(batch * q_len, c.kv_heads, c.head_dim), s.randn(batch * q_len, c.kv_heads, c.v_head_dim)
     dense_k, dense_v = _dense_kv(pool, table, lengths)
+    if window is not None:  # what a window layer reads: the last W + 1 keys
+        dense_k, dense_v = dense_k[:, :, -(window + 1) :].contiguous(), dense_v[:, :, -(window + 1) :].contiguous()
     dense_q = q.view(batch, q_len, c.q_heads, c.head_dim).transpose(1, 2).contiguous()
 
     def paged() -> torch.Tensor:
@@ -302,16 +337,18 @@ def bench_attention(s: _Setup, mode: ForwardMode) -> Measurement:
             raise ResultMismatchError(f"dense baseline {name!r} disagrees with the paged kernel by {float((got - expect).abs().max()):.3g}")
     best, dense = _fastest(s.backend, baselines)
     pt = time_pair(s.backend, paged, dense, repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
-    t_paged, t_dense, ratio = pt.a, pt.b, pt.a_over_b
     shape = f"B={batch}, kv={kv_len}" + ("" if decode else f", q={q_len}")
-    return Measurement(f"paged {mode.name.lower()} attention ({shape}) vs SDPA [{best}]", t_paged * 1e3, t_dense * 1e3,
-                       "ms", ratio, "hal/SDPA time", "<= 1.5" if decode else "", (ratio <= 1.5) if decode else None)
+    if window is not None:
+        return judged(f"paged sliding-window decode (W={window}, {shape}) vs SDPA over the window [{best}]", pt.a * 1e3,
+                      pt.b * 1e3, "ms", pt.ratios, "hal/SDPA time", "<= 2")
+    return judged(f"paged {mode.name.lower()} attention ({shape}) vs SDPA [{best}]", pt.a * 1e3, pt.b * 1e3, "ms",
+                  pt.ratios, "hal/SDPA time", "<= 1.5" if decode else "")
 
 
 def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]] | None:
     """(forward through hal, the same ops called directly, metadata build) for one decode step."""
     from hal.backends.cpu.attention import CpuAttention
-    from hal.reference import GatherWorkspace, paged_attention
+    from hal.reference import GatherWorkspace, paged_attention, plan_attention
     from hal.kv_pool import copy_rows
 
     c, layer = s.cfg, s.layer()
@@ -333,6 +370,9 @@ def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any
     kflat, vflat = kb.view(-1, c.kv_heads, c.head_dim), vb.view(-1, c.kv_heads, c.v_head_dim)
     loc_d = loc.to(s.device)
     workspace = GatherWorkspace()
+    # Laid out once per forward and shared by every layer, as the kernel does.
+    plan = plan_attention(lengths, [1] * batch, md.block_table, c.page_size, sliding_window=None,
+                          token_bytes=c.kv_heads * (c.head_dim + c.v_head_dim) * 4)
 
     def through_hal() -> None:
         attn.forward(q, k, v, layer, md)
@@ -340,7 +380,8 @@ def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any
     def direct() -> None:
         copy_rows(kflat, loc_d, k)  # the row copy set_kv makes, without its validation and routing
         copy_rows(vflat, loc_d, v)
-        paged_attention(q, kb, vb, md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling, workspace=workspace)
+        paged_attention(q, kb, vb, md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling, workspace=workspace,
+                        plan=plan)
 
     return through_hal, direct, metadata
 
@@ -362,7 +403,7 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
     through_hal, direct, metadata = real
     timing = dict(repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
     pt = time_pair(s.backend, through_hal, direct, **timing)  # type: ignore[arg-type]
-    t_hal, t_direct, side_by_side = pt.a, pt.b, (pt.a_over_b - 1) * 100
+    t_hal, t_direct = pt.a, pt.b
     # Minimum of the samples: a constant cost shows in the fastest runs, interference only slows.
     tiny_pt = time_pair(s.backend, tiny[0], tiny[1], repeats=c.repeats, warmup=c.warmup,
                         min_sample_s=max(c.min_sample_s, 0.02), stat=min)
@@ -372,8 +413,8 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
     t_md, t_fwd = md_pt.a, md_pt.b
     shape = f"B={c.decode_batch}, kv={c.decode_kv_len}"
     return [
-        Measurement(f"dispatch: decode forward via hal vs direct ops, side by side ({shape})", t_hal * 1e3,
-                    t_direct * 1e3, "ms", side_by_side, "difference %"),
+        judged(f"dispatch: decode forward via hal vs direct ops, side by side ({shape})", t_hal * 1e3,
+               t_direct * 1e3, "ms", [(r - 1) * 100 for r in pt.ratios], "difference %"),
         Measurement(f"dispatch: hal's per-call cost (measured at B=1, one page) vs the direct forward ({shape})",
                     per_call * 1e3, t_direct * 1e3, "ms", overhead, "overhead %", "<= 2", overhead <= 2),
         Measurement(f"build_metadata per step (B={c.decode_batch}) vs one layer's forward", t_md * 1e3, t_fwd * 1e3, "ms",
@@ -428,7 +469,7 @@ def _pick_dtype(backend: Backend, cfg: BenchConfig) -> torch.dtype:
 
 
 def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = False, versus_transformers: bool = False,
-                   device: str = "cpu", emulate: bool = False, quick: bool = False,
+                   versus_plain: bool = False, device: str = "cpu", emulate: bool = False, quick: bool = False,
                    log: Callable[[str], None] = print) -> list[Measurement]:
     """Every measurement, in table order."""
     dtype = _pick_dtype(backend, cfg)
@@ -436,12 +477,17 @@ def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = Fa
     log(f"backend {backend.name!r} on {backend.device}, {str(dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}")
     results = bench_kv_write(s, 64) + bench_kv_write(s, cfg.write_tokens)
     results += [bench_attention(s, ForwardMode.DECODE), bench_attention(s, ForwardMode.EXTEND)]
+    results += [bench_attention(s, ForwardMode.DECODE, window=cfg.window, kv_len=n) for n in cfg.window_kv_lens]
     results += bench_dispatch(s)
     results += bench_memory()
     if speculative:
         from hal.tools.bench_decoding import bench_speculative
 
         results += bench_speculative(device, emulate, quick)
+    if versus_plain:
+        from hal.tools.bench_decoding import bench_vs_plain
+
+        results += bench_vs_plain(device, emulate, quick, log=log)
     if versus_transformers:
         from hal.tools.bench_decoding import bench_vs_transformers
 
@@ -463,13 +509,22 @@ def write_outputs(results: Sequence[Measurement], out_dir: Path, title: str) -> 
     with csv_path.open("w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(HEADER)
-        writer.writerows([m.name, m.hal, m.baseline, m.unit, m.ratio, m.ratio_of, m.target, m.met] for m in results)
+        writer.writerows([m.name, m.hal, m.baseline, m.unit, m.ratio, "" if m.spread is None else f"{m.spread[0]}-{m.spread[1]}",
+                          m.ratio_of, m.target, m.met] for m in results)
     _plot(results, png, title)
     return [md, csv_path, png]
 
 
+def better_direction(m: Measurement) -> str:
+    """``"higher"`` or ``"lower"``: which way the ratio improves (from the target, else from what it measures)."""
+    if m.target:
+        return "higher" if m.target.startswith(">=") else "lower"
+    return "lower" if ("time" in m.ratio_of or "%" in m.ratio_of) and "saving" not in m.ratio_of else "higher"
+
+
 def _plot(results: Sequence[Measurement], path: Path, title: str) -> None:
-    """Horizontal bars, one panel for plain ratios and one for percentages (their scales differ)."""
+    """Horizontal bars with their spread, one panel per kind of ratio (``ratio_of``); log scale where
+    a panel's ratios span more than 20x; each panel says which direction is better."""
     import textwrap
 
     import matplotlib
@@ -477,27 +532,35 @@ def _plot(results: Sequence[Measurement], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(label, [m for m in results if ("%" in m.ratio_of) == is_pct])
-              for label, is_pct in (("ratio", False), ("percent", True))]
-    panels = [(label, rows) for label, rows in panels if rows]
-    heights = [len(rows) for _, rows in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.5 * len(results) + 2.2),
+    kinds: dict[str, list[Measurement]] = {}
+    for m in results:
+        kinds.setdefault(m.ratio_of, []).append(m)
+    heights = [len(rows) + 1.2 for rows in kinds.values()]
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(12, 0.45 * sum(heights) + 1.5),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
-    for ax, (label, rows) in zip(axes[:, 0], panels):
+    for ax, (kind, rows) in zip(axes[:, 0], kinds.items()):
         colors = ["tab:gray" if m.met is None else ("tab:green" if m.met else "tab:red") for m in rows]
-        ax.barh(range(len(rows)), [m.ratio for m in rows], color=colors)
+        values = [m.ratio for m in rows]
+        positive = [v for v in values if v > 0]
+        log = bool(positive) and len(positive) == len(values) and max(positive) / min(positive) > 20
+        errors = [[m.ratio - m.spread[0] for m in rows], [m.spread[1] - m.ratio for m in rows]] if all(m.spread for m in rows) else None
+        ax.barh(range(len(rows)), values, color=colors, xerr=errors, ecolor="black", capsize=3)
         for i, m in enumerate(rows):
             if m.target:
                 bound = float(m.target.split()[-1])
                 ax.plot([bound, bound], [i - 0.4, i + 0.4], color="black", linewidth=2)
-            ax.text(max(m.ratio, 0), i, f" {m.ratio:.3g}", va="center", fontsize=8)
-        names = ["\n".join(textwrap.wrap(f"{m.name} [{m.ratio_of}]", 55)) for m in rows]
+            ax.text(max(m.ratio, 0) if not m.spread else max(m.spread[1], 0), i, f" {m.ratio:.3g}" + (" (noisy)" if m.noisy else ""),
+                    va="center", fontsize=8)
+        if log:
+            ax.set_xscale("log")
+        names = ["\n".join(textwrap.wrap(m.name, 70)) for m in rows]
         ax.set_yticks(range(len(rows)), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel(label)
-        ax.margins(x=0.12)
-    axes[-1, 0].set_xlabel(axes[-1, 0].get_xlabel() + "  (black tick: target; green met, red missed, gray no target)")
-    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
+        arrow = "higher is better \u2192" if better_direction(rows[0]) == "higher" else "\u2190 lower is better"
+        ax.set_xlabel(f"{kind}{' (log scale)' if log else ''}    {arrow}", fontsize=8)
+        ax.margins(x=0.15)
+    fig.suptitle("\n".join(textwrap.wrap(title + " | bars: median of paired ratios, whiskers: their range; black tick: "
+                                          "target; green met, red missed, gray no target", 120)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -526,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(cfg, repeats=args.repeats)
     backend = backend_from_args(args)
     results = run_benchmarks(backend, cfg, speculative=args.speculative, versus_transformers=args.transformers,
-                             device=args.device, emulate=args.emulate, quick=args.quick)
+                             versus_plain=args.plain, device=args.device, emulate=args.emulate, quick=args.quick)
     title = (f"hal bench: {backend.name} on {backend.device}{' (emulated)' if args.emulate else ''}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, ratios: median of {cfg.repeats} paired samples")
     print(markdown_table(results))
@@ -535,6 +598,10 @@ def run(args: argparse.Namespace) -> int:
     missed = [m.name for m in results if m.met is False]
     if missed:
         print(f"targets missed: {'; '.join(missed)}")
+    noisy = [f"{m.name} ({m.spread[0]:.3g}-{m.spread[1]:.3g})" for m in results if m.noisy and m.spread]
+    if noisy:
+        print(f"warning: the machine was too noisy to judge {len(noisy)} rows (paired ratios spread over more than "
+              f"1.5x, or across the target); rerun with more --repeats on a quieter machine: {'; '.join(noisy)}")
     return 0
 
 

@@ -68,6 +68,8 @@ def _bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 15, quick 5)")
     parser.add_argument("--speculative", action="store_true",
                         help="also time plain greedy vs the MTP worker (distils the MTP blocks once)")
+    parser.add_argument("--plain", action="store_true",
+                        help="also time hal greedy and MTP against a plain decoder (contiguous KV cache + SDPA) on the demo model")
     parser.add_argument("--transformers", action="store_true",
                         help="also time hal greedy and MTP against transformers' generate on the same checkpoint")
     _threads_option(parser)
