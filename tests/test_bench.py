@@ -175,3 +175,16 @@ def test_dense_baselines_compute_the_paged_result() -> None:
     expect_e = torch.softmax(scores, -1) @ vr[:1]
     for name, fn in _dense_baselines(qe, k[:1], v[:1], 0.3, decode=False).items():
         torch.testing.assert_close(fn(), expect_e, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_rows_report_the_spread_and_call_a_verdict_that_could_go_either_way_noisy() -> None:
+    from hal.tools.bench import better_direction, judged
+
+    wide = judged("x", 1, 1, "ms", [1.0, 2.0, 3.0], "hal/SDPA time", "<= 1.5")
+    assert (wide.ratio, wide.met, wide.spread, wide.noisy) == (2.0, False, (1.0, 3.0), True)
+    across = judged("x", 1, 1, "tok/s", [0.95, 1.0, 1.1], "hal/plain tok/s", ">= 1")
+    assert across.met and across.noisy  # the bound 1 lies inside 0.95-1.1
+    clear = judged("x", 1, 1, "tok/s", [1.2, 1.25, 1.3], "hal/plain tok/s", ">= 1")
+    assert clear.met and not clear.noisy
+    assert "1.2-1.3" in markdown_table([clear]) and "(noisy)" in markdown_table([across])
+    assert better_direction(clear) == "higher" and better_direction(wide) == "lower"
