@@ -190,3 +190,38 @@ def test_graph_runner_replays_match_eager_reference(cuda: hal.Backend, mode: For
     # Padded rows write only the padding page; every real page matches the reference.
     assert torch.equal(pool.k_buffer(0)[1:], ref_pool.k_buffer(0)[1:])
     assert torch.equal(pool.v_buffer(0)[1:], ref_pool.v_buffer(0)[1:])
+
+
+def test_split_count_rule(cuda: hal.Backend) -> None:
+    from hal.backends.cuda.triton_attention import MAX_SPLITS, split_count
+
+    assert split_count(programs=264, capacity=32768, block_n=32, sm_count=132) == 1  # the grid fills the GPU
+    assert split_count(programs=8, capacity=32768, block_n=32, sm_count=132) == MAX_SPLITS  # 8 x 32 < 264, capped
+    assert split_count(programs=8, capacity=1024, block_n=32, sm_count=132) == 4  # keeps >= 256 keys per split
+    assert split_count(programs=66, capacity=32768, block_n=32, sm_count=132) == 4  # 66 x 4 >= 2 x 132
+    assert split_count(programs=8, capacity=300, block_n=32, sm_count=132) == 1  # too few keys to split
+
+
+@pytest.mark.parametrize("num_splits", [None, 2, 8])
+@pytest.mark.parametrize("q_len, window, sinks", [(1, None, False), (1, 9, True), (3, None, True), (3, 20, False)])
+def test_split_kv_matches_cpu_reference(cuda: hal.Backend, num_splits: int | None, q_len: int, window: int | None, sinks: bool) -> None:
+    """Split-KV (flash decoding) on decode- and verify-shaped batches: requests whose keys fill every
+    split, a few, or one (empty splits merge as nothing), with windows and sinks; ``None`` is the
+    default dispatch, which splits this small grid (2 requests x 2 kv heads) 4 ways."""
+    from hal.backends.cuda.triton_attention import paged_attention as triton_paged
+    from hal.reference import paged_attention as reference_paged
+
+    gen = torch.Generator().manual_seed(q_len * 10 + (window or 0))
+    ps, hkv, hq, dk, dv, pages = 16, 2, 8, 24, 20, 64
+    k_cache, v_cache = torch.randn(pages + 1, ps, hkv, dk, generator=gen), torch.randn(pages + 1, ps, hkv, dv, generator=gen)
+    kv_lens = torch.tensor([1000, q_len + 2], dtype=torch.int32)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    table[0] = torch.randperm(pages, generator=gen)[:64] + 1
+    table[1, :1] = 7
+    cu = torch.arange(3, dtype=torch.int32) * q_len
+    q = torch.randn(2 * q_len, hq, dk, generator=gen)
+    sink = torch.randn(hq, generator=gen) if sinks else None
+    args = (q, k_cache, v_cache, table, kv_lens, cu)
+    got = triton_paged(*args, scaling=0.2, sliding_window=window, sinks=sink, query_rows_hint=q_len, num_splits=num_splits)
+    expect = reference_paged(*args, scaling=0.2, sliding_window=window, sinks=sink)
+    torch.testing.assert_close(got, expect, atol=2e-5, rtol=2e-5)

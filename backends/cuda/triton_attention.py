@@ -4,7 +4,7 @@ Imported lazily (only when a ``CudaAttention`` runs), so ``import hal`` and ``im
 never import triton, and emulation can set ``TRITON_INTERPRET=1`` before ``@triton.jit`` runs.
 
 Work split: a program owns up to ``BLOCK_Q`` query rows of one request and every q head of one
-KV head group (rows ``m`` of the tile are ``(query row m // GROUP_PAD, head m % GROUP_PAD)``), so
+KV head group (with split-KV, one slice of its keys: see ``split_count``) (rows ``m`` of the tile are ``(query row m // GROUP_PAD, head m % GROUP_PAD)``), so
 GQA groups share each K/V tile load. Programs are numbered as in a packed layout where request
 ``b``'s blocks start at ``cu_q_lens[b] // BLOCK_Q + b``; a binary search over ``cu_q_lens`` finds a
 program's request. The grid is ``(num_tokens // BLOCK_Q + batch, kv_heads)``: only static shapes,
@@ -53,9 +53,12 @@ def _paged_attention_kernel(
     kv_lens_ptr,
     cu_q_lens_ptr,
     sinks_ptr,
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, DV_PAD] fp32: each split's unnormalised output (NUM_SPLITS > 1)
+    part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32: each split's running max (base 2) and sum
     num_requests,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     window,
+    split_chunk,  # keys per split (a multiple of BLOCK_N)
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -79,11 +82,13 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (fp32 inputs, and the CPU interpreter)
+    NUM_SPLITS: tl.constexpr,  # > 1: split-KV, each program covers keys [split * split_chunk, ...)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     LOG2E: tl.constexpr = 1.4426950408889634
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     req = _find_request(cu_q_lens_ptr, program, num_requests, BLOCK_Q)
     q_begin = tl.load(cu_q_lens_ptr + req)
@@ -109,8 +114,9 @@ def _paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    if HAS_SINKS:
-        # The sink is one more logit in the denominator, unscaled: start the running max there.
+    if HAS_SINKS and NUM_SPLITS == 1:
+        # The sink is one more logit in the denominator, unscaled: start the running max there
+        # (with splits, the combine kernel adds it once).
         m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
@@ -123,6 +129,9 @@ def _paged_attention_kernel(
     kv_begin = 0
     if HAS_WINDOW:
         kv_begin = tl.maximum(first_pos + q_start - window, 0)
+    if NUM_SPLITS > 1:
+        kv_begin = tl.maximum(kv_begin, split * split_chunk)
+        kv_end = tl.minimum(kv_end, (split + 1) * split_chunk)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for n_start in range(kv_begin, kv_end, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -168,9 +177,54 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if NUM_SPLITS > 1:  # partial results; _combine_splits_kernel merges them (an empty split stores -inf, 0)
+        part = (token[:, None] * (tl.num_programs(1) * GROUP) + head[:, None]) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i[:, None], mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2 + 1, l_i[:, None], mask=row_ok[:, None])
+        return
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_dv[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    sinks_ptr,
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    DV: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """One (token, head) row: merge the splits' partial softmax results (and the sink) into the output."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    row = tl.program_id(0)
+    token = row // num_heads
+    head = row % num_heads
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_dv = tl.arange(0, DV_PAD)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2)
+    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + offs_s) * 2 + 1)
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * DV_PAD + offs_dv[None, :])
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        m_max = tl.maximum(m_max, sink)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_safe)  # 0 for empty splits (m = -inf)
+    total = tl.sum(l * weight, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_safe)
+    merged = tl.sum(acc * weight[:, None], 0)
+    out = tl.where(total > 0, merged / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + offs_dv, out.to(out_ptr.dtype.element_ty),
+             mask=offs_dv < DV)
 
 
 def check_head_dims(head_dim: int, v_head_dim: int) -> None:
@@ -197,6 +251,25 @@ def tile_sizes(query_rows_hint: int, group: int, head_dim: int, v_head_dim: int)
     return block_q, block_n
 
 
+# Split-KV dispatch: split a program's keys when the grid alone would leave most SMs idle.
+MIN_SPLIT_KEYS = 256  # fewer keys per split cost more in the combine step than they save
+MAX_SPLITS = 32
+INTERPRETER_SM_COUNT = 132  # an H200's; the CPU interpreter applies the same rule
+
+
+def split_count(programs: int, capacity: int, block_n: int, sm_count: int) -> int:
+    """Splits of the KV range per program (a power of two): 1 when ``programs`` (query blocks x kv
+    heads) already fill ``sm_count`` SMs, else the fewest that bring the grid to at least twice the
+    SM count, capped so that every split keeps ``MIN_SPLIT_KEYS`` keys of the ``capacity`` (the
+    block table's width in keys, fixed for a captured graph) and at ``MAX_SPLITS``."""
+    if programs >= sm_count:
+        return 1
+    splits = 1
+    while programs * splits < 2 * sm_count and splits < MAX_SPLITS and capacity // (splits * 2) >= max(MIN_SPLIT_KEYS, block_n):
+        splits *= 2
+    return splits
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
     k_cache: torch.Tensor,  # [num_pages + 1, page_size, Hkv, Dk]
@@ -209,11 +282,15 @@ def paged_attention(
     sliding_window: int | None,
     sinks: torch.Tensor | None,  # [Hq]
     query_rows_hint: int,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Launch the kernel; same contract as ``hal.reference.paged_attention``.
 
     ``query_rows_hint`` (rows per request, e.g. 1 for decode) only sizes tiles; it must stay the
     same across replays of a captured graph, so pass a value fixed by the mode and shapes.
+    ``num_splits`` (a power of two; default ``split_count``'s rule) > 1 runs split-KV (flash
+    decoding): each program attends one slice of the keys and a second kernel merges the slices.
+    The choice depends only on static shapes, so it holds for every replay of a captured graph.
     """
     t, hq, dk = q.shape
     _, page_size, hkv, dv = v_cache.shape
@@ -227,7 +304,20 @@ def paged_attention(
     block_q, block_n = tile_sizes(query_rows_hint, group, dk, dv)
     interpret = q.device.type == "cpu"
     dk_pad, dv_pad = max(_next_pow2(dk), 16), max(_next_pow2(dv), 16)
-    grid = (t // block_q + batch, hkv)
+    capacity = block_table.shape[1] * page_size
+    programs = (t // block_q + batch) * hkv
+    if num_splits is None:
+        sm_count = INTERPRETER_SM_COUNT if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = split_count(programs, capacity, block_n, sm_count)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise UnsupportedConfigError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    split_chunk = -(-capacity // (num_splits * block_n)) * block_n
+    if num_splits > 1:
+        part_acc = torch.empty((t, hq, num_splits, dv_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((t, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (t // block_q + batch, hkv, num_splits)
     # The CPU interpreter patches module state while a kernel runs: one launch at a time there.
     with _INTERPRETER_LOCK if interpret else contextlib.nullcontext():
         _paged_attention_kernel[grid](
@@ -239,9 +329,12 @@ def paged_attention(
             kv_lens,
             cu_q_lens,
             sinks if sinks is not None else q,  # unused pointer when there are no sinks
+            part_acc,
+            part_ml,
             batch,
             float(scaling) * 1.4426950408889634,
             0 if sliding_window is None else int(sliding_window),
+            split_chunk,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -265,6 +358,12 @@ def paged_attention(
             HAS_WINDOW=sliding_window is not None,
             HAS_SINKS=sinks is not None,
             DOT_FP32=interpret or q.dtype == torch.float32,
+            NUM_SPLITS=num_splits,
             num_warps=8 if max(dk_pad, dv_pad) > 128 else 4,
         )
+        if num_splits > 1:
+            _combine_splits_kernel[(t * hq,)](
+                out, part_acc, part_ml, sinks if sinks is not None else q, hq, out.stride(0), out.stride(1),
+                NUM_SPLITS=num_splits, DV=dv, DV_PAD=dv_pad, HAS_SINKS=sinks is not None,
+            )
     return out
