@@ -8,8 +8,12 @@
    compared with the CPU reference.
 2. Attention: the Triton paged kernel vs dense ``scaled_dot_product_attention`` over the same K/V
    gathered out of the pages beforehand (decode and prefill), after checking they agree.
-3. Graphs: ``hal.GraphRunner`` replay vs eager for batch sizes 1..64 of a small decode step,
-   after checking replay outputs equal eager outputs.
+3. Split-KV: decode with MiMo-V2-Flash's full-layer heads at TP 4 (16 q heads, 1 kv head, qk 192,
+   v 128), kv 1k-32k, batch 1-64: the kernel with its split-KV dispatch vs the same kernel forced to
+   one pass vs dense SDPA (V padded to 192) over the gathered K/V; target: split >= 3x single-pass at
+   batch 1, kv 32k.
+4. Graphs: ``hal.GraphRunner`` replay vs eager for batch sizes 1..64 of a small decode step,
+   after checking replay outputs equal eager outputs; target: replay >= 3x eager at batch <= 8.
 
 Timings are medians of repeated runs measured with CUDA events; the tables print ratios.
 ``--emulate`` runs the same code paths with tiny sizes in the Triton CPU interpreter (timings
@@ -174,7 +178,61 @@ def bench_attention(be: hal.Backend, quick: bool, emulate: bool) -> int:
     return failures
 
 
-# -- 3. CUDA graph replay vs eager -----------------------------------------------------------------
+# -- 3. split-KV vs single pass vs SDPA --------------------------------------------------------------
+def bench_split_kv(be: hal.Backend, quick: bool, emulate: bool) -> int:
+    import torch.nn.functional as F
+
+    from hal.backends.cuda.triton_attention import paged_attention, split_count, tile_sizes
+
+    dtype = torch.float32 if emulate else torch.bfloat16
+    hq, hkv, dk, dv, ps = (4, 1, 48, 40, 16) if emulate else (16, 1, 192, 128, 64)
+    layer = LayerSpec(0, hq, hkv, dk, dv, scaling=dk**-0.5)
+    if emulate:
+        shapes = [(1, 256), (2, 512)]
+    else:
+        shapes = [(b, kv) for kv in (1024, 4096, 32768) for b in (1, 8, 64)] if not quick else [(1, 32768), (8, 4096), (64, 1024)]
+    sm = 132 if emulate else torch.cuda.get_device_properties(be.device).multi_processor_count
+    rows, failures = [], 0
+    for b, kv_len in shapes:
+        pool, table = _filled(be, layer, [kv_len] * b, ps, dtype)
+        md = build_metadata(ForwardMode.DECODE, kv_lens=[kv_len] * b, q_lens=[1] * b, page_table=table.table(range(b)),
+                            out_cache_loc=torch.zeros(b, dtype=torch.int64), pool=pool)
+        gen = torch.Generator(device=be.device).manual_seed(4)
+        q = torch.randn(b, hq, dk, generator=gen, device=be.device).to(dtype)
+        args = (q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens)
+        block_q, block_n = tile_sizes(1, hq // hkv, dk, dv)
+        splits = split_count((b // block_q + b) * hkv, md.block_table.shape[1] * ps, block_n, sm)
+
+        def run(n: int | None) -> Callable[[], torch.Tensor]:
+            return lambda: paged_attention(*args, scaling=layer.scaling, sliding_window=None, sinks=None, query_rows_hint=1, num_splits=n)
+
+        pages = md.block_table.long()
+        k_dense = pool.k_buffer(0)[pages].reshape(b, -1, hkv, dk)[:, :kv_len].transpose(1, 2).contiguous()
+        v_dense = F.pad(pool.v_buffer(0)[pages].reshape(b, -1, hkv, dv)[:, :kv_len].transpose(1, 2), (0, dk - dv)).contiguous()
+        q_dense = q.view(b, 1, hq, dk).transpose(1, 2)
+
+        def dense() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, scale=layer.scaling, enable_gqa=True)[..., :dv]
+
+        split_out, single_out = run(None)().float(), run(1)().float()
+        expect = dense().transpose(1, 2).reshape(b, hq, dv).float()
+        err = max(float((split_out - expect).abs().max()), float((single_out - expect).abs().max()))
+        ok = err < (2e-3 if dtype == torch.float32 else 3e-2)
+        failures += not ok
+        t_split, t_single, t_dense = median_ms(be, run(None)), median_ms(be, run(1)), median_ms(be, dense)
+        target = " (target >= 3)" if (b, kv_len) == (1, 32768) else ""
+        rows.append((str(b), str(kv_len), str(splits), f"{t_split:.3f}", f"{t_single:.3f}", f"{t_dense:.3f}",
+                     f"{t_single / t_split:.2f}{target}", f"{t_dense / t_split:.2f}", f"{err:.2g}" + ("" if ok else " FAIL")))
+    _table(
+        f"split-KV decode vs single pass vs SDPA ({str(dtype).replace('torch.', '')}, q{hq}/kv{hkv}, qk {dk} / v {dv}, "
+        f"pages of {ps}, {sm} SMs; ratios > 1: split faster)",
+        ("batch", "kv_len", "splits", "split ms", "single ms", "sdpa ms", "single/split", "sdpa/split", "max|diff|"),
+        rows,
+    )
+    return failures
+
+
+# -- 4. CUDA graph replay vs eager -----------------------------------------------------------------
 def bench_graphs(be: hal.Backend, quick: bool, emulate: bool) -> int:
     dtype = torch.float32 if emulate else torch.bfloat16
     hidden, hq, hkv, d, num_layers, ps = (64, 4, 2, 16, 2, 16) if emulate else (512, 8, 2, 64, 4, 16)
@@ -225,7 +283,8 @@ def bench_graphs(be: hal.Backend, quick: bool, emulate: bool) -> int:
         failures += not ok
         t_eager = median_ms(be, lambda: step(inputs, md))
         t_graph = median_ms(be, lambda: runner.run(inputs, md))
-        rows.append((str(b), f"{t_eager:.3f}", f"{t_graph:.3f}", f"{t_eager / t_graph:.2f}", f"{err:.2g}" + ("" if ok else " FAIL")))
+        target = " (target >= 3)" if b <= 8 else ""
+        rows.append((str(b), f"{t_eager:.3f}", f"{t_graph:.3f}", f"{t_eager / t_graph:.2f}{target}", f"{err:.2g}" + ("" if ok else " FAIL")))
     _table(
         f"GraphRunner replay vs eager: {num_layers}-layer decode step, hidden {hidden}, kv_len {kv_len} "
         f"({str(dtype).replace('torch.', '')}; ratio > 1: graph faster)",
@@ -248,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{be!r}: {be.probe().reason}; torch {torch.__version__}")
     failures = check_conformance(be, args.quick, args.emulate)
     failures += bench_attention(be, args.quick, args.emulate)
+    failures += bench_split_kv(be, args.quick, args.emulate)
     failures += bench_graphs(be, args.quick, args.emulate)
     print(f"\n{'all checks passed' if not failures else f'{failures} check(s) FAILED'}")
     return 1 if failures else 0
