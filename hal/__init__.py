@@ -31,6 +31,7 @@ _EXPORTS = {
     "BatchTooLargeError": "hal.errors",
     "CacheLocationError": "hal.errors",
     "CheckpointError": "hal.errors",
+    "DistributedError": "hal.errors",
     "GraphError": "hal.errors",
     "HalError": "hal.errors",
     "KVLayoutError": "hal.errors",
@@ -39,6 +40,8 @@ _EXPORTS = {
     "SpecError": "hal.errors",
     "UnknownDeviceError": "hal.errors",
     "UnsupportedConfigError": "hal.errors",
+    "TPGroup": "hal.distributed",
+    "init_tensor_parallel": "hal.distributed",
     "GraphUpdate": "hal.graph",
     "GraphRunner": "hal.graph_runner",
     "SplitKVPool": "hal.kv_pool",
@@ -84,6 +87,7 @@ if TYPE_CHECKING:
         BatchTooLargeError,
         CacheLocationError,
         CheckpointError,
+        DistributedError,
         GraphError,
         HalError,
         KVLayoutError,
@@ -93,6 +97,7 @@ if TYPE_CHECKING:
         UnknownDeviceError,
         UnsupportedConfigError,
     )
+    from hal.distributed import TPGroup, init_tensor_parallel
     from hal.graph import GraphUpdate
     from hal.graph_runner import GraphRunner
     from hal.kv_pool import SplitKVPool

@@ -54,3 +54,7 @@ class ResultMismatchError(HalError, AssertionError):
 class CheckpointError(HalError, ValueError):
     """A model checkpoint that cannot be loaded: a missing file, a missing, unexpected or misshaped
     tensor, an unsupported model type or config value (the message names it)."""
+
+
+class DistributedError(HalError, RuntimeError):
+    """A tensor-parallel group could not start, or one of its ranks failed."""

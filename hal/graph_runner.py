@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from hal.errors import BatchTooLargeError, GraphError, SpecError
-from hal.graph import GraphUpdate
+from hal.graph import GraphBase, GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
 from hal.protocols import AttentionKernel, Backend, Graph
 from hal.spec import ForwardMode, strict_int
@@ -49,6 +49,7 @@ class GraphRunner:
     Batches above the largest captured size run eagerly (or raise, with ``eager_fallback=False``).
     ``replay_captured`` (default: ``backend.captures_graphs``) False runs every batch eagerly at its
     real size, with the same checks, for backends whose graphs re-run Python anyway.
+    ``tp_group``: the tensor-parallel process group; each graph waits on its barrier before capture.
 
     The replay path refuses what the eager path refuses, before anything is copied into the
     graph's static buffers: metadata is checked against the pool (slot and page ids), inputs
@@ -70,6 +71,7 @@ class GraphRunner:
         seq_len_fill_value: int | None = None,
         eager_fallback: bool = True,
         replay_captured: bool | None = None,
+        tp_group: Any = None,
     ) -> None:
         if not mode.has_uniform_query_len() or mode.is_idle():
             raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
@@ -101,6 +103,7 @@ class GraphRunner:
                 "new tokens, so a padded request's first token sees at least itself"
             )
         self.eager_fallback = eager_fallback
+        self.tp_group = tp_group
         # A graph that re-runs its function saves nothing on replay: padding the batch and copying
         # it into static buffers would only add work, so such backends run batches eagerly.
         self.replay_captured = getattr(backend, "captures_graphs", True) if replay_captured is None else bool(replay_captured)
@@ -141,6 +144,8 @@ class GraphRunner:
             )
             inputs = {name: buf[: bs * tpr] for name, buf in self._static_inputs.items()}
             graph = self.backend.create_graph()
+            if self.tp_group is not None and isinstance(graph, GraphBase):
+                graph.tp_group = self.tp_group  # every rank warms up, then captures after a barrier
             outputs = graph.capture(functools.partial(self.forward, inputs, metadata), memory_pool=memory_pool)
             self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
 

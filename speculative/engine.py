@@ -16,6 +16,7 @@ import attrs
 import torch
 
 import hal
+from hal.distributed import SINGLE, TPGroup
 from hal.errors import SpecError
 from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
@@ -92,7 +93,9 @@ class TargetEngine:
     requests of up to ``max_seq_len`` positions; graphs are captured for ``graph_batch_sizes``
     (default 1, 2, 4, ... up to ``max_batch_size``). ``page_size`` (default: the backend's
     ``default_page_size``) and ``kv_dtype`` must suit the backend's kernel (e.g. FIA v2 with head
-    dim 192 wants bf16/fp16 and pages of 128).
+    dim 192 wants bf16/fp16 and pages of 128). ``tp`` (default: the model's ``tp``, else none) is
+    the tensor-parallel group: graphs capture after a barrier on it, and every rank acts on rank 0's
+    read-back of each step.
     """
 
     #: KV positions a request may need beyond its prompt and max_new_tokens (the unverified drafts).
@@ -109,8 +112,11 @@ class TargetEngine:
         max_batch_size: int = 8,
         max_seq_len: int = 256,
         graph_batch_sizes: Sequence[int] | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         cfg = model.config
+        # Ranks of a tensor-parallel model decide with rank 0's read-back, so they stay in lockstep.
+        self.tp: TPGroup = getattr(model, "tp", SINGLE) if tp is None else tp
         if max_seq_len > cfg.max_position:
             raise SpecError(f"max_seq_len={max_seq_len} exceeds the model's max_position={cfg.max_position}")
         self.backend = hal.get_backend(device, emulate=emulate)
@@ -156,6 +162,7 @@ class TargetEngine:
             batch_sizes=self.graph_batch_sizes,
             max_pages_per_request=self.pages_per_request,
             inputs=inputs,
+            tp_group=self.tp.group,
         )
         with torch.no_grad():
             runner.capture()
@@ -281,7 +288,7 @@ class GreedyDecoder(TargetEngine):
 
     def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
         _, _, _, _, next_tokens = self._prefill_target(requests)
-        for r, token in zip(requests, next_tokens.tolist()):
+        for r, token in zip(requests, self.tp.broadcast(next_tokens).tolist()):
             r.committed = len(r.prompt)
             r.emit([token], eos_token_id)
         forwards = 1
@@ -289,7 +296,7 @@ class GreedyDecoder(TargetEngine):
         ids = self.keep_rows(next_tokens, requests, active)  # each request's last token, on the device
         while active:
             metadata = self._metadata(ForwardMode.DECODE, active, [1] * len(active))
-            tokens = self.decode_runner.run({"input_ids": ids}, metadata)
+            tokens = self.tp.broadcast(self.decode_runner.run({"input_ids": ids}, metadata).clone())
             forwards += 1
             for r, token in zip(active, tokens.tolist()):  # the step's one read-back
                 r.committed += 1

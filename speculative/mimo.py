@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hal.distributed import SINGLE, TPGroup
 from hal.errors import CheckpointError
 from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
@@ -153,25 +155,28 @@ def _grouped_matmul_works(x: torch.Tensor, *inner_dims: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: MiMoConfig, shape: AttentionShape, spec: LayerSpec, moe: bool) -> None:
+    def __init__(self, config: MiMoConfig, shape: AttentionShape, spec: LayerSpec, moe: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, shape, spec)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attend)
-        out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        # Row-parallel o_proj and down projections: each rank's partial sums add up over the group.
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), positions, attend))
+        out: torch.Tensor = self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
         return x + out
 
 
 class MTPLayer(nn.Module):
     """``eh_proj(cat(enorm(embed(token)), hnorm(hidden)))``, an SWA block with a dense MLP, ``final_layernorm``."""
 
-    def __init__(self, config: MiMoConfig, spec: LayerSpec) -> None:
+    def __init__(self, config: MiMoConfig, spec: LayerSpec, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.input_layernorm = RMSNorm(h, eps)
@@ -182,26 +187,38 @@ class MTPLayer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        x = x + self.self_attn(self.input_layernorm(x), positions, attend)
-        x = x + self.mlp(self.pre_mlp_layernorm(x))
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), positions, attend))
+        x = x + self.tp.all_reduce(self.mlp(self.pre_mlp_layernorm(x)))
         return self.final_layernorm(x)
 
 
 class MiMoV2Flash(nn.Module):
-    """The model, with ``target_hidden`` / ``mtp_hidden`` / ``logits`` for hal's engines."""
+    """The model, with ``target_hidden`` / ``mtp_hidden`` / ``logits`` for hal's engines.
 
-    def __init__(self, config: MiMoConfig) -> None:
+    With a ``tp`` group of N ranks this is one rank's shard (``config`` is then the rank's share,
+    ``source_config`` the checkpoint's): attention q heads split N ways, kv heads split or, when
+    there are fewer than N, replicated (sinks follow their q heads); q/k/v column-parallel and
+    o_proj row-parallel with an all-reduce; dense MLPs column- then row-parallel; each routed
+    expert tensor-parallel inside (its intermediate width split N ways, so routing, which reads
+    the replicated router, picks the same experts on every rank and no tokens move between ranks;
+    expert parallelism would need an all-to-all per MoE layer); the MTP layers likewise.
+    Embedding and lm_head are replicated, so every rank computes the same logits and argmax
+    without a gather.
+    """
+
+    def __init__(self, config: MiMoConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.source_config, self.tp = config, tp
+        self.config = config = config.for_tensor_parallel(tp)
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, config.attention(i), config.target_layer_spec(i), config.layer_is_moe[i])
+            DecoderLayer(config, config.attention(i), config.target_layer_spec(i), config.layer_is_moe[i], tp)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPLayer(config, config.mtp_layer_spec(k)) for k in range(config.num_mtp_layers))
+        self.mtp = nn.ModuleList(MTPLayer(config, config.mtp_layer_spec(k), tp) for k in range(config.num_mtp_layers))
 
     # -- the engines' interface -------------------------------------------------------------
     def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -219,22 +236,26 @@ class MiMoV2Flash(nn.Module):
         return self.lm_head(hidden)
 
     # -- loading ---------------------------------------------------------------------------
-    def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor, int | None]]:
-        """``(published name, destination, expert)``: where each checkpoint tensor goes (a slice of
-        a stacked expert tensor when ``expert`` is set)."""
-        yield "model.embed_tokens.weight", self.embed_tokens.weight, None
-        yield "model.norm.weight", self.norm.weight, None
-        yield "lm_head.weight", self.lm_head.weight, None
+    def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor, int | None, Shard | None]]:
+        """``(published name, destination, expert, shard)``: where each checkpoint tensor goes (a
+        slice of a stacked expert tensor when ``expert`` is set), and which part of it this rank
+        holds (``shard``, None: all of it)."""
+        yield "model.embed_tokens.weight", self.embed_tokens.weight, None, None
+        yield "model.norm.weight", self.norm.weight, None, None
+        yield "lm_head.weight", self.lm_head.weight, None, None
+        shards = _Shards(self.source_config, self.tp)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            yield from _block_tensors(f"model.layers.{i}.", layer, {"post_attention_layernorm": layer.post_attention_layernorm})
+            kind = "swa" if self.source_config.layer_is_swa[i] else "full"
+            yield from _block_tensors(f"model.layers.{i}.", layer, {"post_attention_layernorm": layer.post_attention_layernorm},
+                                      shards, kind)
         for k, mtp in enumerate(self.mtp):
             assert isinstance(mtp, MTPLayer)
             prefix = f"model.mtp.layers.{k}."
             for name, norm in (("enorm", mtp.enorm), ("hnorm", mtp.hnorm), ("final_layernorm", mtp.final_layernorm)):
-                yield f"{prefix}{name}.weight", norm.weight, None
-            yield f"{prefix}eh_proj.weight", mtp.eh_proj.weight, None
-            yield from _block_tensors(prefix, mtp, {"pre_mlp_layernorm": mtp.pre_mlp_layernorm})
+                yield f"{prefix}{name}.weight", norm.weight, None, None
+            yield f"{prefix}eh_proj.weight", mtp.eh_proj.weight, None, None
+            yield from _block_tensors(prefix, mtp, {"pre_mlp_layernorm": mtp.pre_mlp_layernorm}, shards, "swa")
 
     @classmethod
     def from_pretrained(
@@ -244,21 +265,22 @@ class MiMoV2Flash(nn.Module):
         dtype: torch.dtype = torch.float32,
         num_mtp_layers: int | None = None,
         progress: Progress | None = None,
+        tp: TPGroup = SINGLE,
     ) -> MiMoV2Flash:
         """Build the model from ``directory`` (config.json + safetensors), streaming one tensor at a
         time into preallocated parameters. MTP layers: ``num_mtp_layers`` if given, else as many as
-        the checkpoint stores (``model.mtp.layers.{k}``)."""
+        the checkpoint stores (``model.mtp.layers.{k}``). With ``tp``, this rank's shard only."""
         directory = Path(directory)
         with Checkpoint(directory) as ckpt:
             stored_mtp = len(ckpt.layer_indices("model.mtp.layers."))
             config = MiMoConfig.from_file(directory / "config.json", num_mtp_layers=stored_mtp if num_mtp_layers is None else num_mtp_layers)
             with torch.device("meta"):
-                model = cls(config)
+                model = cls(config, tp)
             model = model.to_empty(device="cpu").to(dtype)
             model.keep_router_in_float32()
             model.rotary_buffers_reset()
             targets = list(model.checkpoint_tensors())
-            expected = {name for name, _, _ in targets}
+            expected = {name for name, _, _, _ in targets}
             unused_mtp = {f"model.mtp.layers.{k}." for k in range(config.num_mtp_layers, stored_mtp)}
             unexpected = sorted(n for n in ckpt.names - expected if not any(n.startswith(p) for p in unused_mtp))
             if unexpected:
@@ -267,12 +289,17 @@ class MiMoV2Flash(nn.Module):
             if missing:
                 raise CheckpointError(f"missing tensors in {directory}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
             with torch.no_grad():
-                for done, (name, dest, expert) in enumerate(targets):
-                    want = tuple(dest.shape[1:]) if expert is not None else tuple(dest.shape)
+                for done, (name, dest, expert, shard) in enumerate(targets):
+                    want = list(dest.shape[1:]) if expert is not None else list(dest.shape)
+                    if shard is not None:
+                        want[shard.dim] = shard.full
                     found = ckpt.shape(name)
-                    if found != want:
-                        raise CheckpointError(f"tensor {name!r}: shape mismatch, expected {want}, found {found}")
-                    (dest[expert] if expert is not None else dest).copy_(ckpt.tensor(name))
+                    if found != tuple(want):
+                        raise CheckpointError(f"tensor {name!r}: shape mismatch, expected {tuple(want)}, found {found}")
+                    value = ckpt.tensor(name)
+                    if shard is not None:
+                        value = value.narrow(shard.dim, shard.start, shard.length)
+                    (dest[expert] if expert is not None else dest).copy_(value)
                     if progress is not None:
                         progress(done + 1, len(targets))
         return model.eval()
@@ -291,26 +318,67 @@ class MiMoV2Flash(nn.Module):
                 module.rotary = Rotary(module.shape).to(self.lm_head.weight.device)
 
 
+@attrs.frozen
+class Shard:
+    """The part of a checkpoint tensor one TP rank holds: ``length`` entries from ``start`` along ``dim`` (of ``full``)."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
+class _Shards:
+    """Which slice of each sharded checkpoint tensor a rank loads (None everywhere for one rank)."""
+
+    def __init__(self, config: MiMoConfig, tp: TPGroup) -> None:
+        self.config, self.tp = config, tp
+
+    def _heads(self, dim: int, first: int, count: int, total: int, width: int) -> Shard | None:
+        return None if self.tp.size == 1 else Shard(dim, first * width, count * width, total * width)
+
+    def q(self, kind: str, dim: int, width: int) -> Shard | None:
+        heads = (self.config.full if kind == "full" else self.config.swa).num_q_heads
+        first, count = self.tp.shard(heads, "num_attention_heads") if self.tp.size > 1 else (0, heads)
+        return self._heads(dim, first, count, heads, width)
+
+    def kv(self, kind: str, width: int) -> Shard | None:
+        heads = (self.config.full if kind == "full" else self.config.swa).num_kv_heads
+        first, count = self.config.kv_head_shard(kind, self.tp) if self.tp.size > 1 else (0, heads)
+        return self._heads(0, first, count, heads, width)
+
+    def width(self, total: int, dim: int) -> Shard | None:
+        if self.tp.size == 1:
+            return None
+        first, count = self.tp.shard(total, "MLP intermediate size")
+        return Shard(dim, first, count, total)
+
+
 def _block_tensors(
-    prefix: str, block: DecoderLayer | MTPLayer, norms: dict[str, RMSNorm]
-) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+    prefix: str, block: DecoderLayer | MTPLayer, norms: dict[str, RMSNorm], shards: _Shards, kind: str
+) -> Iterator[tuple[str, torch.Tensor, int | None, Shard | None]]:
     """Attention, norms and MLP (dense or MoE) of one decoder or MTP block, by published name."""
-    yield f"{prefix}input_layernorm.weight", block.input_layernorm.weight, None
+    yield f"{prefix}input_layernorm.weight", block.input_layernorm.weight, None, None
     for name, norm in norms.items():
-        yield f"{prefix}{name}.weight", norm.weight, None
+        yield f"{prefix}{name}.weight", norm.weight, None, None
     attn = block.self_attn
-    for proj_name, proj in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj), ("o_proj", attn.o_proj)):
-        yield f"{prefix}self_attn.{proj_name}.weight", proj.weight, None
+    shape = shards.config.full if kind == "full" else shards.config.swa
+    yield f"{prefix}self_attn.q_proj.weight", attn.q_proj.weight, None, shards.q(kind, 0, shape.head_dim)
+    yield f"{prefix}self_attn.k_proj.weight", attn.k_proj.weight, None, shards.kv(kind, shape.head_dim)
+    yield f"{prefix}self_attn.v_proj.weight", attn.v_proj.weight, None, shards.kv(kind, shape.v_head_dim)
+    yield f"{prefix}self_attn.o_proj.weight", attn.o_proj.weight, None, shards.q(kind, 1, shape.v_head_dim)
     if attn.attention_sink_bias is not None:
-        yield f"{prefix}self_attn.attention_sink_bias", attn.attention_sink_bias, None
+        yield f"{prefix}self_attn.attention_sink_bias", attn.attention_sink_bias, None, shards.q(kind, 0, 1)
     mlp = block.mlp
     if isinstance(mlp, MoE):
-        yield f"{prefix}mlp.gate.weight", mlp.gate_weight, None
-        yield f"{prefix}mlp.gate.e_score_correction_bias", mlp.e_score_correction_bias, None
+        yield f"{prefix}mlp.gate.weight", mlp.gate_weight, None, None
+        yield f"{prefix}mlp.gate.e_score_correction_bias", mlp.e_score_correction_bias, None, None
+        width = shards.config.moe_intermediate_size
         for e in range(mlp.config.n_routed_experts):
-            for proj_name, stacked in (("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj)):
-                yield f"{prefix}mlp.experts.{e}.{proj_name}.weight", stacked, e
+            for proj_name, stacked, dim in (("gate_proj", mlp.gate_proj, 0), ("up_proj", mlp.up_proj, 0), ("down_proj", mlp.down_proj, 1)):
+                yield f"{prefix}mlp.experts.{e}.{proj_name}.weight", stacked, e, shards.width(width, dim)
     else:
         assert isinstance(mlp, MLP)
-        for proj_name, proj in (("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj)):
-            yield f"{prefix}mlp.{proj_name}.weight", proj.weight, None
+        width = shards.config.intermediate_size
+        for proj_name, proj, dim in (("gate_proj", mlp.gate_proj, 0), ("up_proj", mlp.up_proj, 0), ("down_proj", mlp.down_proj, 1)):
+            yield f"{prefix}mlp.{proj_name}.weight", proj.weight, None, shards.width(width, dim)

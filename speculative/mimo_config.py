@@ -22,7 +22,8 @@ from typing import Any
 
 import attrs
 
-from hal.errors import CheckpointError
+from hal.distributed import TPGroup
+from hal.errors import CheckpointError, SpecError
 from hal.spec import LayerSpec
 
 MODEL_TYPE = "mimo_v2_flash"
@@ -121,6 +122,37 @@ class MiMoConfig:
     @property
     def v_head_dim(self) -> int:
         return self.full.v_head_dim
+
+    def for_tensor_parallel(self, tp: TPGroup) -> MiMoConfig:
+        """This rank's share: q heads and both MLP widths divided by the TP size; kv heads divided,
+        or replicated (one per rank) when there are fewer than ranks. A count that does not divide
+        is a ``SpecError`` naming it."""
+        if tp.size == 1:
+            return self
+        shapes = {}
+        for name, shape in (("full", self.full), ("swa", self.swa)):
+            tp.shard(shape.num_q_heads, f"{name} attention's num_attention_heads")
+            kv = shape.num_kv_heads
+            if kv % tp.size and tp.size % kv:
+                raise SpecError(f"tensor parallelism: {name} attention's num_key_value_heads={kv} neither divides by "
+                                f"nor divides the TP size {tp.size}")
+            shapes[name] = attrs.evolve(shape, num_q_heads=shape.num_q_heads // tp.size, num_kv_heads=max(kv // tp.size, 1))
+        tp.shard(self.intermediate_size, "intermediate_size")
+        tp.shard(self.moe_intermediate_size, "moe_intermediate_size")
+        return attrs.evolve(self, full=shapes["full"], swa=shapes["swa"], intermediate_size=self.intermediate_size // tp.size,
+                            moe_intermediate_size=self.moe_intermediate_size // tp.size)
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """K + V bytes one token takes over every target layer (the heads this config holds)."""
+        return sum((self.swa if swa else self.full).num_kv_heads * (self.qk_head_dim + self.v_head_dim) * element_bytes
+                   for swa in self.layer_is_swa)
+
+    def kv_head_shard(self, layer_type: str, tp: TPGroup) -> tuple[int, int]:
+        """``(first kv head, count)`` this rank holds of ``layer_type``'s (``"full"``/``"swa"``) kv heads."""
+        kv = (self.full if layer_type == "full" else self.swa).num_kv_heads
+        if kv % tp.size == 0:
+            return tp.shard(kv, "num_key_value_heads")
+        return tp.rank // (tp.size // kv), 1  # replicated: ranks that share a kv head hold the same one
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], *, num_mtp_layers: int | None = None) -> MiMoConfig:

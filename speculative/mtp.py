@@ -112,7 +112,7 @@ class MultiLayerEagleWorker(TargetEngine):
             h = self.model.mtp_hidden(k, ids, hidden, mtp_metadata.positions, attend)
             drafts.append(self.model.logits(h[last_rows]).argmax(-1))
             ids = rotate_input_ids(ids, last_rows, drafts[-1])
-        verify_ids = torch.stack([next_tokens, *drafts], 1)
+        verify_ids = self.tp.broadcast(torch.stack([next_tokens, *drafts], 1))
         for r, (token, *d) in zip(requests, verify_ids.tolist()):  # the prefill's one read-back
             r.committed = len(r.prompt)
             r.drafts = d
@@ -147,15 +147,16 @@ class MultiLayerEagleWorker(TargetEngine):
             new_drafts.append(step_tokens[last_accepted_row])
             ids = rotate_input_ids(ids, last_accepted_row, new_drafts[-1])
         bonus = target_tokens[last_accepted_row]  # the target's token after the accepted ones
-        next_ids = torch.stack([bonus, *new_drafts], 1)
 
-        # 4. Commit on the host, from the iteration's one read-back: L += a, emit, keep the drafts.
-        packed = torch.cat([accept[:, None], targets, next_ids[:, 1:]], 1).tolist()
+        # 4. Commit on the host, from the iteration's one read-back: L += a, emit, keep the drafts
+        #    (every rank of a TP group acts on rank 0's decisions).
+        packed = self.tp.broadcast(torch.cat([accept[:, None], targets, bonus[:, None], *(d[:, None] for d in new_drafts)], 1))
+        next_ids = packed[:, 1 + rows :].contiguous()
         accepted = []
-        for r, (a, *rest) in zip(active, packed):
+        for r, (a, *rest) in zip(active, packed.tolist()):
             accepted.append(a)
             r.committed += a
-            r.drafts = rest[rows:]
+            r.drafts = rest[rows + 1 :]
             r.emit(rest[:a], eos_token_id)
             if r.finished:
                 self._finish(r)

@@ -234,7 +234,7 @@ def add_mtp_layers(directory: Path, num_mtp_layers: int, seed: int = 1) -> None:
     config = MiMoConfig.from_file(directory / "config.json", num_mtp_layers=num_mtp_layers)
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        shapes = {name: tuple(dest.shape) for name, dest, _ in MiMoV2Flash(config).checkpoint_tensors() if "mtp." in name}
+        shapes = {name: tuple(dest.shape) for name, dest, _, _ in MiMoV2Flash(config).checkpoint_tensors() if "mtp." in name}
     weights = safetensors_torch.load_file(directory / "model.safetensors")
     for name, shape in shapes.items():
         weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen) if name.endswith("norm.weight") else 0.2 * torch.randn(shape, generator=gen)

@@ -88,6 +88,10 @@ def _generate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
     parser.add_argument("--page-size", type=int, default=None, help="KV page size (default: the backend's)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks: N local processes on the device type, over its collective (default: 1)")
+    parser.add_argument("--tp-timeout", type=float, default=60.0,
+                        help="seconds a collective waits for its peers before the rank fails (default: 60)")
     _threads_option(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
 

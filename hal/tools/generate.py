@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hal.distributed import init_tensor_parallel, launch_environment, rank_device, shutdown
 from hal.errors import CheckpointError, SpecError
-from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
+from hal.registry import backend_class, parse_device
+from hal.speculative import GenerationResult, GreedyDecoder, MultiLayerEagleWorker
 from hal.speculative.mimo import MiMoV2Flash
 from hal.tools.cli import backend_from_args
 from hal.tools.demo import progress_printer, with_kv_dtype
+from hal.tools.tp_launch import run_ranks
 
 
 def _tokenizer(directory: Path) -> Any:
@@ -55,33 +59,63 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
     return [tokenizer.encode(text).ids for text in args.prompt], tokenizer
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load, decode, print (or emit one JSON object); exit 0."""
-    prompts, tokenizer = read_prompts(args)
-    backend_from_args(args)  # an unknown or unavailable device fails before loading
+def decode(args: argparse.Namespace, prompts: list[list[int]]) -> GenerationResult:
+    """Load the checkpoint (this rank's shard under tensor parallelism) and decode ``prompts``.
+
+    A rank of a TP group (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` in the environment, as torchrun
+    and ``run_ranks`` set them) joins the group over its backend's collective first."""
+    rank, world_size, local_rank = launch_environment() or (0, 1, 0)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    show = progress_printer(sys.stderr)
-    model = MiMoV2Flash.from_pretrained(args.model, progress=None if args.json else lambda d, t: show("loading weights", d, t, None))
+    elif world_size > 1:  # local ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = rank_device(args.device, local_rank) if world_size > 1 else args.device
+    collective = backend_class(parse_device(device)[0]).collective_backend if world_size > 1 else ""
+    tp = init_tensor_parallel(collective, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=args.tp_timeout)
+    try:
+        show = progress_printer(sys.stderr)
+        quiet = args.json or rank != 0
+        model = MiMoV2Flash.from_pretrained(args.model, tp=tp, progress=None if quiet else lambda d, t: show("loading weights", d, t, None))
+        steps = args.num_draft_steps if args.speculative == "mtp" else 0
+        available = model.config.num_mtp_layers
+        if steps and not 1 <= steps <= available:
+            what = f"1..{available}" if available else "MTP layers, and the checkpoint has none (model.mtp.layers.*)"
+            raise SpecError(f"--num-draft-steps {steps}: --speculative mtp needs {what}")
+        engine_args: dict[str, Any] = {
+            "emulate": args.emulate,
+            "page_size": args.page_size,
+            "max_batch_size": len(prompts),
+            "max_seq_len": max(len(p) for p in prompts) + args.max_new_tokens + steps + 1,
+        }
+
+        def build(dtype: torch.dtype) -> GreedyDecoder | MultiLayerEagleWorker:
+            if steps:
+                return MultiLayerEagleWorker(model, device, num_steps=steps, kv_dtype=dtype, **engine_args)
+            return GreedyDecoder(model, device, kv_dtype=dtype, **engine_args)
+
+        engine, _ = with_kv_dtype(args.kv_dtype, build)
+        return engine.generate(prompts, args.max_new_tokens, eos_token_id=model.config.eos_token_id)
+    finally:
+        shutdown(tp)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, decode, print (or emit one JSON object); exit 0. ``--tp N`` runs N local ranks; under
+    torchrun each process is one rank and rank 0 prints."""
+    prompts, tokenizer = read_prompts(args)
+    backend_from_args(args)  # an unknown or unavailable device fails before loading
+    if not isinstance(args.tp, int) or args.tp < 1:
+        raise SpecError(f"--tp must be an int >= 1, got {args.tp!r}")
+    launched = launch_environment()
+    if launched is not None:
+        result = decode(args, prompts)
+        if launched[0] != 0:
+            return 0
+    elif args.tp > 1:
+        result = run_ranks(decode, args.tp, args, prompts)[0]
+    else:
+        result = decode(args, prompts)
     steps = args.num_draft_steps if args.speculative == "mtp" else 0
-    available = model.config.num_mtp_layers
-    if steps and not 1 <= steps <= available:
-        what = f"1..{available}" if available else "MTP layers, and the checkpoint has none (model.mtp.layers.*)"
-        raise SpecError(f"--num-draft-steps {steps}: --speculative mtp needs {what}")
-    engine_args: dict[str, Any] = {
-        "emulate": args.emulate,
-        "page_size": args.page_size,
-        "max_batch_size": len(prompts),
-        "max_seq_len": max(len(p) for p in prompts) + args.max_new_tokens + steps + 1,
-    }
-
-    def build(dtype: torch.dtype) -> GreedyDecoder | MultiLayerEagleWorker:
-        if steps:
-            return MultiLayerEagleWorker(model, args.device, num_steps=steps, kv_dtype=dtype, **engine_args)
-        return GreedyDecoder(model, args.device, kv_dtype=dtype, **engine_args)
-
-    engine, _ = with_kv_dtype(args.kv_dtype, build)
-    result = engine.generate(prompts, args.max_new_tokens, eos_token_id=model.config.eos_token_id)
     tokens = [list(t) for t in result.tokens]
     if args.json:
         accept = result.mean_accept_length if result.accept_lengths else None
