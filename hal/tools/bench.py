@@ -543,7 +543,9 @@ def _plot(results: Sequence[Measurement], path: Path, title: str) -> None:
         values = [m.ratio for m in rows]
         positive = [v for v in values if v > 0]
         log = bool(positive) and len(positive) == len(values) and max(positive) / min(positive) > 20
-        errors = [[m.ratio - m.spread[0] for m in rows], [m.spread[1] - m.ratio for m in rows]] if all(m.spread for m in rows) else None
+        spreads = [m.spread for m in rows if m.spread is not None]
+        errors = [[m.ratio - lo for m, (lo, _) in zip(rows, spreads)], [hi - m.ratio for m, (_, hi) in zip(rows, spreads)]] \
+            if len(spreads) == len(rows) else None
         ax.barh(range(len(rows)), values, color=colors, xerr=errors, ecolor="black", capsize=3)
         for i, m in enumerate(rows):
             if m.target:

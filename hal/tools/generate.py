@@ -70,7 +70,7 @@ def decode(args: argparse.Namespace, prompts: list[list[int]]) -> GenerationResu
     elif world_size > 1:  # local ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = rank_device(args.device, local_rank) if world_size > 1 else args.device
-    collective = backend_class(parse_device(device)[0]).collective_backend if world_size > 1 else ""
+    collective: str = getattr(backend_class(parse_device(device)[0]), "collective_backend", "gloo") if world_size > 1 else ""
     tp = init_tensor_parallel(collective, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=args.tp_timeout)
     try:
         show = progress_printer(sys.stderr)
