@@ -75,8 +75,10 @@ def test_build_metadata_matches_brute_force(batch, data) -> None:
     loc = slots_for(kv, q, rows, ps)
     kwargs = dict(kv_lens=kv, q_lens=q, page_table=rows, out_cache_loc=loc)
     if as_tensors and rows and len({len(r) for r in rows}) == 1:
+        ints = dict(dtype=torch.int64)  # an empty list would otherwise make a float tensor
         kwargs = dict(
-            kv_lens=torch.tensor(kv), q_lens=torch.tensor(q), page_table=torch.tensor(rows), out_cache_loc=torch.tensor(loc)
+            kv_lens=torch.tensor(kv, **ints), q_lens=torch.tensor(q, **ints), page_table=torch.tensor(rows, **ints),
+            out_cache_loc=torch.tensor(loc, **ints),
         )
     md = build_metadata(mode, page_size=ps, max_pages=max_pages, **kwargs)
 
