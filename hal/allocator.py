@@ -134,15 +134,18 @@ class RequestPageTable:
 
     def slots(self, request: int, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Full-pool slots of ``positions``; a position beyond the reservation raises ``CacheLocationError``."""
-        pos = torch.tensor(strict_ints(positions, "slots: positions"), dtype=torch.int64)
-        pages = torch.tensor(self._pages.get(request, []), dtype=torch.int64)
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= pages.numel() * self.page_size):
-            raise CacheLocationError(
-                f"slots: request {request} has {pages.numel() * self.page_size} reserved positions, "
-                f"asked for {pos.tolist()}"
-            )
+        pos = strict_ints(positions, "slots: positions")
+        pages = self._pages.get(request, [])
         ps = self.page_size
-        return pages[torch.div(pos, ps, rounding_mode="floor")] * ps + pos % ps
+        limit = len(pages) * ps
+        if pos and (min(pos) < 0 or max(pos) >= limit):
+            raise CacheLocationError(f"slots: request {request} has {limit} reserved positions, asked for {list(pos)}")
+        if len(pos) <= self._HOST_LOOP_MAX:  # a step's few positions: cheaper in Python than as tensor ops
+            return torch.tensor([pages[p // ps] * ps + p % ps for p in pos], dtype=torch.int64)
+        at = torch.tensor(pos, dtype=torch.int64)
+        return torch.tensor(pages, dtype=torch.int64)[torch.div(at, ps, rounding_mode="floor")] * ps + at % ps
+
+    _HOST_LOOP_MAX = 64
 
     def release(self, request: int) -> None:
         """Free all of the request's pages (no-op for an unknown request)."""

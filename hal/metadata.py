@@ -351,9 +351,17 @@ def _pack_order(tensors: Sequence[torch.Tensor]) -> list[int]:
 def _check_distinct_slots(loc: torch.Tensor, page_size: int) -> None:
     """Two new tokens written to one slot would leave whichever the kernel happens to write last;
     only page 0, the padding page, takes any number of writes."""
-    real = loc[loc >= page_size]
-    if real.numel() < 2:
+    if loc.numel() < 2:
         return
+    if loc.numel() <= 4096:  # a decode or verify step: a set is cheaper than torch.unique
+        seen: set[int] = set()
+        for slot in loc.tolist():
+            if slot >= page_size:
+                if slot in seen:
+                    raise SpecError(f"build_metadata: out_cache_loc writes slot {slot} more than once (only padding page 0 may repeat)")
+                seen.add(slot)
+        return
+    real = loc[loc >= page_size]
     slots, counts = torch.unique(real, return_counts=True)
     if bool((counts > 1).any()):
         slot = int(slots[counts > 1][0])

@@ -167,6 +167,18 @@ def test_a_slot_written_twice_is_rejected_but_the_padding_page_may_repeat() -> N
     assert build_metadata(ForwardMode.DECODE, out_cache_loc=[6, 10], **common).out_cache_loc.tolist() == [6, 10]
 
 
+@pytest.mark.parametrize("tokens", [8, 5000], ids=["a step (set)", "a long prefill (torch.unique)"])
+def test_slot_written_twice_is_found_however_many_tokens(tokens: int) -> None:
+    pages = -(-tokens // 4) + 1
+    loc = list(range(4, 4 + tokens))
+    common = dict(kv_lens=[tokens], q_lens=[tokens], page_table=[list(range(1, pages + 1))], page_size=4)
+    assert build_metadata(ForwardMode.EXTEND, out_cache_loc=loc, **common).num_tokens == tokens
+    with pytest.raises(SpecError, match=f"writes slot {loc[3]} more than once"):
+        build_metadata(ForwardMode.EXTEND, out_cache_loc=loc[:-1] + [loc[3]], **common)
+    padded = [0] * 3 + loc[3:]  # the padding page's slot 0, three times
+    assert build_metadata(ForwardMode.EXTEND, out_cache_loc=padded, **common).out_cache_loc.tolist()[:3] == [0, 0, 0]
+
+
 def test_metadata_constructor_checks_tensor_shapes() -> None:
     good = _md().tensors()
     for name, bad in [
