@@ -188,3 +188,28 @@ def test_rows_report_the_spread_and_call_a_verdict_that_could_go_either_way_nois
     assert clear.met and not clear.noisy
     assert "1.2-1.3" in markdown_table([clear]) and "(noisy)" in markdown_table([across])
     assert better_direction(clear) == "higher" and better_direction(wide) == "lower"
+
+
+def test_plain_decoder_rows_check_tokens_and_carry_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hal bench --plain`` on a small undistilled model: one greedy and one MTP row per shape, each
+    with the target and the spread; a plain decoder that disagrees stops the run."""
+    import hal.tools.bench_decoding as decoding
+    from hal.errors import ResultMismatchError
+    from hal.speculative.model import TinyConfig, TinyMiMo
+    from hal.tools.plain_decoder import PlainDecoder
+
+    monkeypatch.setattr(decoding, "_distilled_demo_model", lambda: TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=3)))
+    rows = decoding.bench_vs_plain("cpu", False, True, log=lambda line: None)
+    assert [(m.target, m.ratio_of) for m in rows] == [(">= 1", "hal/plain tok/s"), (">= 2", "hal/plain tok/s")] * 2
+    for m in rows:
+        assert m.spread is not None and m.spread[0] <= m.ratio <= m.spread[1] and m.met is not None
+
+    real = PlainDecoder.generate
+
+    def off_by_one(self, prompts, max_new_tokens):  # type: ignore[no-untyped-def]
+        result = real(self, prompts, max_new_tokens)
+        return attrs.evolve(result, tokens=tuple(tuple(t + 1 for t in row) for row in result.tokens))
+
+    monkeypatch.setattr(PlainDecoder, "generate", off_by_one)
+    with pytest.raises(ResultMismatchError, match="differ from the plain decoder's"):
+        decoding.bench_vs_plain("cpu", False, True, log=lambda line: None)
