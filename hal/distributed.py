@@ -42,10 +42,6 @@ class TPGroup:
             torch.distributed.broadcast(x, src=src, group=self.group)
         return x
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            torch.distributed.barrier(group=self.group)
-
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """``(start, length)`` of this rank's equal share of ``total`` items; ``SpecError`` naming
         ``what`` when ``total`` does not divide by the group size."""

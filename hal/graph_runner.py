@@ -188,10 +188,10 @@ class GraphRunner:
             raise SpecError(f"GraphRunner: every request must have {tpr} tokens, got q_lens {metadata.q_lens_cpu}")
         self._check_inputs(inputs, b * tpr)
         metadata.check_against(self.attention.pool)  # the eager path checks the same in every kernel call
-        bs = self.padded_batch_size(b)
-        too_long = metadata.block_table.shape[1] > self.max_pages_per_request
         if not self.replay_captured:
             return self.forward(inputs, metadata)
+        bs = self.padded_batch_size(b)
+        too_long = metadata.block_table.shape[1] > self.max_pages_per_request
         if bs is None or too_long:
             if not self.eager_fallback:
                 what = (

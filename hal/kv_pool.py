@@ -226,9 +226,7 @@ class SplitKVPool:
         self._validate(layer, loc, k, v)
         if loc.shape[0] and not is_capturing():
             self.check_slots(loc.cpu(), f"set_kv layer {layer}", swa=self.is_swa_layer(layer))
-        slots = self.translate_loc(layer, loc.long())
-        self._write_rows(self._k_rows[layer], slots, k)
-        self._write_rows(self._v_rows[layer], slots, v)
+        self._write_slots(layer, self.translate_loc(layer, loc.long()), k, v)
 
     def set_kv_for_forward(self, layer: int, metadata: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """``set_kv`` at ``metadata.out_cache_loc`` with the slot checks done once per forward."""
@@ -237,6 +235,10 @@ class SplitKVPool:
         metadata.check_against(self)
         swa = self.is_swa_layer(layer)
         slots = metadata.cached(("pool-slots", id(self), swa), lambda: self.translate_loc(layer, loc.long()))
+        self._write_slots(layer, slots, k, v)
+
+    def _write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K and V rows at ``slots`` of the layer's own sub-pool (already translated and checked)."""
         self._write_rows(self._k_rows[layer], slots, k)
         self._write_rows(self._v_rows[layer], slots, v)
 

@@ -118,10 +118,7 @@ class AttentionMetadata:
         into captured metadata)."""
         tensors = (self.kv_lens, self.q_lens, self.cu_q_lens, self.positions, self.out_cache_loc, self.block_table,
                    self.swa_block_table)  # fmt: skip
-        try:
-            return tuple(t._version for t in tensors if t is not None)
-        except RuntimeError:  # inference tensors keep no version counter
-            return tuple(write_count(t) for t in tensors if t is not None)
+        return tuple(write_count(t) for t in tensors if t is not None)
 
     def is_current(self) -> bool:
         """Whether the device tensors still hold the values this metadata was built with (so the
@@ -317,35 +314,37 @@ def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor
 
 def pack_ints(tensors: Sequence[torch.Tensor], *, pin_memory: bool = False) -> torch.Tensor:
     """int32/int64 host tensors in one int32 buffer (int64 ones first, at 8-byte aligned offsets)."""
-    words = [t.numel() * (2 if t.dtype == torch.int64 else 1) for t in tensors]
+    layout = _pack_layout(tensors)
+    size = sum(words for _, _, words in layout)
     try:
-        packed = torch.empty(sum(words), dtype=torch.int32, pin_memory=pin_memory)
+        packed = torch.empty(size, dtype=torch.int32, pin_memory=pin_memory)
     except RuntimeError:  # no pinned memory for this runtime
-        packed = torch.empty(sum(words), dtype=torch.int32)
-    offset = 0
-    for i in _pack_order(tensors):
-        packed[offset : offset + words[i]] = tensors[i].reshape(-1).view(torch.int32)
-        offset += words[i]
+        packed = torch.empty(size, dtype=torch.int32)
+    for i, offset, words in layout:
+        packed[offset : offset + words] = tensors[i].reshape(-1).view(torch.int32)
     return packed
 
 
 def unpack_ints(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of a ``pack_ints`` buffer with the shapes and dtypes of the packed ``like`` tensors."""
     out: list[torch.Tensor] = list(like)
-    offset = 0
-    for i in _pack_order(like):
-        n = like[i].numel() * (2 if like[i].dtype == torch.int64 else 1)
-        part = packed[offset : offset + n]
+    for i, offset, words in _pack_layout(like):
+        part = packed[offset : offset + words]
         out[i] = (part.view(torch.int64) if like[i].dtype == torch.int64 else part).view(like[i].shape)
-        offset += n
     return out
 
 
-def _pack_order(tensors: Sequence[torch.Tensor]) -> list[int]:
+def _pack_layout(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """``(tensor index, offset, int32 words)`` per tensor in the packed buffer, int64 tensors first."""
     for t in tensors:
         if t.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"pack_ints: int32/int64 tensors only, got {t.dtype}")
-    return sorted(range(len(tensors)), key=lambda i: tensors[i].dtype != torch.int64)
+    layout, offset = [], 0
+    for i in sorted(range(len(tensors)), key=lambda i: tensors[i].dtype != torch.int64):
+        words = tensors[i].numel() * (2 if tensors[i].dtype == torch.int64 else 1)
+        layout.append((i, offset, words))
+        offset += words
+    return layout
 
 
 def _check_distinct_slots(loc: torch.Tensor, page_size: int) -> None:
@@ -353,19 +352,21 @@ def _check_distinct_slots(loc: torch.Tensor, page_size: int) -> None:
     only page 0, the padding page, takes any number of writes."""
     if loc.numel() < 2:
         return
+    repeated = None
     if loc.numel() <= 4096:  # a decode or verify step: a set is cheaper than torch.unique
         seen: set[int] = set()
         for slot in loc.tolist():
             if slot >= page_size:
                 if slot in seen:
-                    raise SpecError(f"build_metadata: out_cache_loc writes slot {slot} more than once (only padding page 0 may repeat)")
+                    repeated = slot
+                    break
                 seen.add(slot)
-        return
-    real = loc[loc >= page_size]
-    slots, counts = torch.unique(real, return_counts=True)
-    if bool((counts > 1).any()):
-        slot = int(slots[counts > 1][0])
-        raise SpecError(f"build_metadata: out_cache_loc writes slot {slot} more than once (only padding page 0 may repeat)")
+    else:
+        slots, counts = torch.unique(loc[loc >= page_size], return_counts=True)
+        if bool((counts > 1).any()):
+            repeated = int(slots[counts > 1][0])
+    if repeated is not None:
+        raise SpecError(f"build_metadata: out_cache_loc writes slot {repeated} more than once (only padding page 0 may repeat)")
 
 
 def pad_metadata(

@@ -68,7 +68,6 @@ class TileGroup:
 class AttentionPlan:
     """How ``paged_attention`` lays out one batch: tile groups, built once and used by every layer."""
 
-    num_tokens: int
     groups: tuple[TileGroup, ...]
 
 
@@ -112,7 +111,7 @@ def plan_attention(
             end += 1
         groups.append(_group(tiles[start:end], max(widest, 1), tallest, row, kv_lens, block_table, ps, sliding_window))
         start = end
-    return AttentionPlan(row, tuple(groups))
+    return AttentionPlan(tuple(groups))
 
 
 def _group(
@@ -130,7 +129,7 @@ def _group(
     req = torch.tensor([t[0] for t in tiles])
     page_lo = torch.tensor([t[4] for t in tiles])
     cols = (page_lo[:, None] + torch.arange(pages)[None, :]).clamp_max(block_table.shape[1] - 1)
-    page_ids = block_table[req.to(block_table.device)[:, None], cols.to(block_table.device)].reshape(-1).long()
+    page_ids = block_table[req.to(device)[:, None], cols.to(device)].reshape(-1).long()
 
     real = torch.arange(rows)[None, :] < torch.tensor([t[2] for t in tiles])[:, None]  # [n, rows]
     pos = torch.tensor([t[3] for t in tiles])[:, None] + torch.arange(rows)[None, :]

@@ -339,12 +339,12 @@ class _Shards:
 
     def q(self, kind: str, dim: int, width: int) -> Shard | None:
         heads = (self.config.full if kind == "full" else self.config.swa).num_q_heads
-        first, count = self.tp.shard(heads, "num_attention_heads") if self.tp.size > 1 else (0, heads)
+        first, count = self.tp.shard(heads, "num_attention_heads")
         return self._heads(dim, first, count, heads, width)
 
     def kv(self, kind: str, width: int) -> Shard | None:
         heads = (self.config.full if kind == "full" else self.config.swa).num_kv_heads
-        first, count = self.config.kv_head_shard(kind, self.tp) if self.tp.size > 1 else (0, heads)
+        first, count = self.config.kv_head_shard(kind, self.tp)
         return self._heads(0, first, count, heads, width)
 
     def width(self, total: int, dim: int) -> Shard | None:
