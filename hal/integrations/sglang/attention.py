@@ -1,0 +1,276 @@
+"""SGLang attention backend ``hal``: hal metadata from SGLang's ForwardBatch, hal's kernel for the device.
+
+SGLang addresses the KV cache by token slot: ``req_to_token[req, pos]`` is the slot of a request's
+token at ``pos`` and ``out_cache_loc`` the slots the new tokens go to. hal addresses it by page
+(slot = page * page_size + offset; page 0 is padding, as SGLang's first page is). A request's hal
+page table is therefore every ``page_size``-th slot of its ``req_to_token`` row divided by the page
+size, and the rows are checked to be page-contiguous before they are trusted.
+
+Lengths per mode (hal's ``kv_lens`` include the tokens being written):
+
+==================  ============================  ==========================================
+SGLang mode         query rows per request        keys per request
+==================  ============================  ==========================================
+EXTEND              ``extend_seq_lens``            ``seq_lens``
+DECODE              1                              ``seq_lens``
+TARGET_VERIFY       ``num_tokens_per_req``         ``seq_lens + num_tokens_per_req``
+DRAFT_EXTEND_V2     ``num_tokens_per_req``         prefix + ``num_tokens_per_req``
+==================  ============================  ==========================================
+
+Target-verify and draft-extend batches must be chains (``topk == 1``): hal masks every mode
+bottom-right causal, which is a chain's mask; a tree's custom mask is refused, not ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from hal.errors import CacheLocationError, SpecError, UnsupportedConfigError
+from hal.metadata import AttentionMetadata, build_metadata
+from hal.protocols import AttentionKernel, KVPool
+from hal.spec import ForwardMode, LayerSpec
+from hal.integrations.sglang.kv_pool import hal_backend_for, store_in_hal_pool
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangMode
+
+# SGLang mode -> hal mode. MIXED (prefill and decode rows in one batch) has no hal counterpart.
+_MODES = {
+    SGLangMode.EXTEND: ForwardMode.EXTEND,
+    SGLangMode.DECODE: ForwardMode.DECODE,
+    SGLangMode.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
+    SGLangMode.DRAFT_EXTEND_V2: ForwardMode.DRAFT_EXTEND_V2,
+}
+
+#: ``seq_lens`` of the padded rows in SGLang's captured graphs: one key, the padding page's slot.
+SEQ_LEN_FILL_VALUE = 1
+
+
+def hal_mode(mode: Any) -> ForwardMode:
+    """hal's mode for an SGLang ``ForwardMode``; ``UnsupportedConfigError`` for the rest."""
+    try:
+        return _MODES[mode]
+    except KeyError:
+        names = ", ".join(m.name for m in _MODES)
+        raise UnsupportedConfigError(f"attention backend 'hal': forward mode {mode!r} is not supported; expected one of {names}") from None
+
+
+def tokens_per_request(forward_batch: Any) -> int:
+    """Query rows per request of a target-verify or draft-extend batch (a chain: ``topk == 1``)."""
+    spec = forward_batch.spec_info
+    if spec is None:
+        raise SpecError(f"attention backend 'hal': a {forward_batch.forward_mode.name} batch carries no spec_info")
+    topk = getattr(spec, "topk", 1)
+    if topk != 1:
+        raise UnsupportedConfigError(
+            f"attention backend 'hal': speculative topk={topk}; hal verifies chains only (topk=1, a causal mask)"
+        )
+    n = getattr(spec, "num_tokens_per_req", 0)
+    if not isinstance(n, int) or n <= 0:
+        n = getattr(spec, "draft_token_num", 0)
+    if not isinstance(n, int) or n <= 0:
+        raise SpecError(f"attention backend 'hal': spec_info gives no tokens per request (num_tokens_per_req={n!r})")
+    return n
+
+
+def _host_ints(values: Any, what: str) -> list[int]:
+    if values is None:
+        raise SpecError(f"attention backend 'hal': ForwardBatch.{what} is missing")
+    if isinstance(values, torch.Tensor):
+        return [int(x) for x in values.cpu().tolist()]
+    return [int(x) for x in values]
+
+
+def request_lengths(forward_batch: Any) -> tuple[list[int], list[int]]:
+    """``(q_lens, kv_lens)`` of a batch in hal's convention (see the module docstring)."""
+    mode = hal_mode(forward_batch.forward_mode)
+    seq_lens = _host_ints(
+        forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens, "seq_lens"
+    )
+    b = len(seq_lens)
+    if mode is ForwardMode.EXTEND:
+        q = _host_ints(forward_batch.extend_seq_lens_cpu, "extend_seq_lens_cpu")
+        return q, seq_lens
+    if mode is ForwardMode.DECODE:
+        return [1] * b, seq_lens
+    n = tokens_per_request(forward_batch)
+    if mode is ForwardMode.TARGET_VERIFY:
+        return [n] * b, [s + n for s in seq_lens]
+    # DRAFT_EXTEND_V2: the prefix is what the request had before these rows.
+    if forward_batch.extend_prefix_lens_cpu is not None:
+        prefix = _host_ints(forward_batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu")
+    else:
+        prefix = [s - n for s in seq_lens]
+    return [n] * b, [p + n for p in prefix]
+
+
+def page_table_from_req_to_token(rows: torch.Tensor, kv_lens: list[int], page_size: int) -> list[list[int]]:
+    """hal page lists from SGLang ``req_to_token`` rows (host tensor ``[B, >= max kv_len]``).
+
+    Raises ``CacheLocationError`` if a row's slots are not whole pages in order (slot of position
+    ``p`` = page ``p // page_size`` times the page size plus ``p % page_size``): a page table could
+    not describe them and a kernel would read the wrong keys.
+    """
+    tables: list[list[int]] = []
+    for i, n in enumerate(kv_lens):
+        slots = rows[i, :n].long()
+        pages = slots[::page_size] // page_size
+        if page_size > 1 and n:
+            expect = (pages.repeat_interleave(page_size)[:n] * page_size) + torch.arange(n) % page_size
+            if not torch.equal(expect, slots):
+                first = int((expect != slots).nonzero()[0])
+                raise CacheLocationError(
+                    f"attention backend 'hal': request {i} keeps position {first} at slot {int(slots[first])}, "
+                    f"which is not offset {first % page_size} of the page holding position {first - first % page_size}"
+                )
+        tables.append(pages.tolist())
+    return tables
+
+
+def metadata_from_forward_batch(
+    forward_batch: Any, req_to_token: torch.Tensor, pool: KVPool, *, max_pages: int | None = None
+) -> AttentionMetadata:
+    """hal ``AttentionMetadata`` for an SGLang ``ForwardBatch`` over ``pool``."""
+    mode = hal_mode(forward_batch.forward_mode)
+    q_lens, kv_lens = request_lengths(forward_batch)
+    ps = pool.spec.page_size
+    width = max(kv_lens, default=0)
+    rows = req_to_token[forward_batch.req_pool_indices.long(), :width].cpu() if kv_lens else torch.zeros(0, 0)
+    page_table = page_table_from_req_to_token(rows, kv_lens, ps)
+    return build_metadata(
+        mode,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_table=page_table,
+        out_cache_loc=forward_batch.out_cache_loc[: sum(q_lens)],
+        pool=pool,
+        max_pages=max_pages,
+    )
+
+
+def layer_spec(layer: Any, pool_layer: int, *, has_sinks: bool) -> LayerSpec:
+    """hal's ``LayerSpec`` for an SGLang ``RadixAttention`` stored at ``pool_layer`` of the pool."""
+    if layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY:
+        raise UnsupportedConfigError(
+            f"attention backend 'hal': layer {layer.layer_id} is {layer.attn_type}; hal runs causal decoder attention only"
+        )
+    if layer.logit_cap and layer.logit_cap > 0:
+        raise UnsupportedConfigError(f"attention backend 'hal': layer {layer.layer_id} has logit_cap={layer.logit_cap}; hal applies none")
+    window = layer.sliding_window_size
+    return LayerSpec(
+        layer_id=pool_layer,
+        num_q_heads=layer.tp_q_head_num,
+        num_kv_heads=layer.tp_k_head_num,
+        head_dim=layer.qk_head_dim,
+        v_head_dim=layer.v_head_dim,
+        scaling=float(layer.scaling),
+        sliding_window=window if window is not None and window >= 0 else None,
+        has_sinks=has_sinks,
+    )
+
+
+@attrs.define
+class _CapturedMetadata:
+    """The metadata a captured graph reads, at fixed addresses, for one (mode, batch size)."""
+
+    metadata: AttentionMetadata
+
+
+class HalAttnBackend(AttentionBackend):
+    """Attention through hal: metadata per forward, the device's hal kernel per layer.
+
+    The model runner's KV pool keeps its KV in hal's split K/V pool (``HalMHATokenToKVPool``, or
+    the in-tree pool given hal's storage when this backend starts), so no KV is copied.
+    """
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__()
+        self.device = torch.device(model_runner.device)
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.sgl_pool = model_runner.token_to_kv_pool
+        self.pool: KVPool = store_in_hal_pool(self.sgl_pool)
+        self.kernel: AttentionKernel = hal_backend_for(self.pool.device).create_attention(self.pool)
+        self.start_layer = self.sgl_pool.start_layer
+        context_len = model_runner.model_config.context_len
+        self._graph_max_pages = -(-context_len // self.pool.spec.page_size)
+        self._captured: dict[tuple[ForwardMode, int], _CapturedMetadata] = {}
+        self._layer_specs: dict[tuple[int, bool], LayerSpec] = {}
+        self.forward_metadata: AttentionMetadata | None = None
+
+    # -- metadata ----------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager forward: metadata built from the batch as it is."""
+        if forward_batch.forward_mode.is_idle():
+            self.forward_metadata = None
+            return
+        self.forward_metadata = metadata_from_forward_batch(forward_batch, self.req_to_token, self.pool)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Graphs capture metadata with block tables as wide as the context length."""
+        self._captured.clear()
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Before a capture: the metadata the graph will read. Before a replay: the new batch's
+        values copied into that metadata's tensors (same shapes, same addresses)."""
+        if forward_batch.forward_mode.is_idle():
+            return
+        fresh = metadata_from_forward_batch(forward_batch, self.req_to_token, self.pool, max_pages=self._graph_max_pages)
+        key = (fresh.mode, fresh.batch_size)
+        captured = self._captured.get(key)
+        if in_capture or captured is None:
+            self._captured[key] = _CapturedMetadata(fresh)
+            self.forward_metadata = fresh
+            return
+        static = captured.metadata
+        for name, tensor in static.tensors().items():
+            tensor.copy_(fresh.tensors()[name])
+        # The device tensors stay the captured ones; the host copies describe the new batch.
+        self.forward_metadata = attrs.evolve(
+            static,
+            kv_lens_cpu=fresh.kv_lens_cpu,
+            q_lens_cpu=fresh.q_lens_cpu,
+            out_cache_loc_host=fresh.out_cache_loc_host,
+            block_table_host=fresh.block_table_host,
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return SEQ_LEN_FILL_VALUE
+
+    # -- forward -----------------------------------------------------------------------------
+    def _layer_spec(self, layer: Any, has_sinks: bool) -> LayerSpec:
+        key = (layer.layer_id, has_sinks)
+        spec = self._layer_specs.get(key)
+        if spec is None:
+            spec = self._layer_specs[key] = layer_spec(layer, layer.layer_id - self.start_layer, has_sinks=has_sinks)
+        return spec
+
+    def _forward(self, q: torch.Tensor, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any) -> torch.Tensor:
+        metadata = self.forward_metadata
+        if metadata is None:
+            raise SpecError("attention backend 'hal': forward before init_forward_metadata")
+        spec = self._layer_spec(layer, sinks is not None)
+        if (k is None or v is None) and save_kv_cache:
+            raise SpecError(f"attention backend 'hal': layer {layer.layer_id} asks to save KV but passes k={k!r}, v={v!r}")
+        rows = metadata.num_tokens
+        if k is None or v is None:  # nothing to write: placeholders of the shapes the kernel checks
+            k = q.new_zeros((rows, spec.num_kv_heads, spec.head_dim))
+            v = q.new_zeros((rows, spec.num_kv_heads, spec.v_head_dim))
+        out = self.kernel.forward(
+            q.reshape(rows, spec.num_q_heads, spec.head_dim),
+            k.reshape(rows, spec.num_kv_heads, spec.head_dim),
+            v.reshape(rows, spec.num_kv_heads, spec.v_head_dim),
+            spec,
+            metadata,
+            save_kv_cache,
+            sinks=sinks,
+        )
+        return out.reshape(rows, spec.num_q_heads * spec.v_head_dim)
+
+    def forward_extend(self, q: torch.Tensor, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
+
+    def forward_decode(self, q: torch.Tensor, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))

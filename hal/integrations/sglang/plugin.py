@@ -1,0 +1,42 @@
+"""SGLang's entry points into hal (``pyproject.toml``: groups ``sglang.srt.plugins`` and
+``sglang.srt.platforms``). SGLang calls them in each of its processes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+#: The name SGLang knows hal by: ``--attention-backend hal`` and ``SGLANG_PLATFORM=hal``.
+NAME = "hal"
+
+
+def register() -> None:
+    """General plugin: add the attention backend ``hal`` to SGLang's registry and choices.
+
+    Registering changes nothing for a server that does not ask for ``--attention-backend hal``.
+    SGLang's registry is imported here, not at module import: it imports the plugin loader.
+    """
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    if NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([NAME])
+    register_attention_backend(NAME)(create_attention_backend)
+
+
+def create_attention_backend(model_runner: Any) -> Any:
+    """SGLang's factory signature: the backend for one model runner."""
+    from hal.integrations.sglang.attention import HalAttnBackend
+
+    return HalAttnBackend(model_runner)
+
+
+def activate_platform() -> str | None:
+    """Platform plugin: hal's platform class when ``SGLANG_PLATFORM=hal``, else None.
+
+    With ``SGLANG_PLATFORM`` unset SGLang activates every installed platform plugin and uses the
+    one that answers; answering only when asked by name keeps an installed hal from taking over.
+    """
+    if os.environ.get("SGLANG_PLATFORM") != NAME:
+        return None
+    return "hal.integrations.sglang.platform.HalPlatform"
