@@ -4,6 +4,8 @@
 - A backend (``backends/<name>/``, imported as ``hal.backends.<name>``) imports the core only: no
   other backend, no speculative, no tooling.
 - ``speculative/`` (``hal.speculative``) imports the core only.
+- An engine adapter (``hal/integrations/``) imports the core and its engine only; only the tooling
+  may import it (so nothing in hal needs an engine installed).
 - The tooling (``hal/tools/``) may import everything.
 - Nothing imports the generic top-level names ``backends`` or ``speculative``.
 - The out-of-tree example backend imports hal through ``hal.sdk`` alone.
@@ -57,6 +59,8 @@ def layer_of(module: str) -> str:
         return "tools"
     if parts[1] == "speculative":
         return "speculative"
+    if parts[1] == "integrations":
+        return "integrations"
     if parts[1] == "backends":
         return f"backend:{parts[2]}" if len(parts) > 2 else "backends"
     return "core"
@@ -75,6 +79,8 @@ def why_not(importer: str, imported: str) -> str | None:
         return f"the core may not import {dst}"
     if src == "speculative":
         return "speculative imports the core only"
+    if src == "integrations" or dst == "integrations":
+        return "an engine adapter imports the core only, and only the tooling imports it"
     if src.startswith("backend") and dst == "speculative":
         return "a backend imports the core only"
     if src.startswith("backend") and dst.startswith("backend"):
@@ -127,7 +133,7 @@ def test_the_repository_imports_point_one_way() -> None:
 
 def test_the_scanner_reads_every_layer() -> None:
     scanned = {layer_of(module_name(p.relative_to(REPO))) for f in PACKAGE_ROOTS for p in (REPO / f).rglob("*.py")}
-    assert {"core", "tools", "speculative", "backend:cpu", "backend:npu", "backend:cuda"} <= scanned
+    assert {"core", "tools", "speculative", "integrations", "backend:cpu", "backend:npu", "backend:cuda"} <= scanned
 
 
 @pytest.mark.parametrize(
@@ -146,6 +152,9 @@ def test_the_scanner_reads_every_layer() -> None:
         ("speculative/engine.py", "from hal.tools.cli import backend_from_args"),
         ("hal/tools/cli.py", "import backends.cpu"),
         ("speculative/model.py", "from speculative.chain import greedy_accept"),
+        ("hal/integrations/sglang/attention.py", "from hal.backends.cpu import CpuBackend"),
+        ("hal/metadata.py", "def f():\n    from hal.integrations.sglang import plugin"),
+        ("speculative/engine.py", "import hal.integrations.sglang.attention"),
     ],
 )
 def test_a_wrong_way_import_is_flagged(rel_path: str, source: str) -> None:
@@ -162,6 +171,7 @@ def test_a_wrong_way_import_is_flagged(rel_path: str, source: str) -> None:
         ("backends/npu/emulator/runtime.py", "from ..runtime import npu\nfrom hal.backends.npu.emulator.fia import FIA_V2"),
         ("speculative/mtp.py", "import hal\nfrom hal.speculative.chain import greedy_accept\nimport torch"),
         ("hal/tools/bench.py", "from hal.backends.cpu.attention import CpuAttention\nfrom hal.speculative import distill"),
+        ("hal/integrations/sglang/attention.py", "from hal.metadata import build_metadata\nfrom sglang.srt.layers import radix_attention\nfrom .kv_pool import store_in_hal_pool"),
     ],
 )
 def test_right_way_imports_pass(rel_path: str, source: str) -> None:

@@ -5,6 +5,8 @@ its import then fails registering fake kernels for two ops nobody defined. Decla
 first lets the pure-Python parts SGLang imports load; the ops themselves stay unimplemented.
 """
 
+import os
+
 import torch
 
 
@@ -17,3 +19,43 @@ def _declare_missing_torchvision_ops() -> None:
 
 
 _declare_missing_torchvision_ops()
+
+
+def _log_hal_forwards(path: str) -> None:
+    """Append the mode of every forward the attention backend ``hal`` prepares to ``path``, in any
+    process: the Engine tests read it to tell which backend served a request."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    target = "hal.integrations.sglang.attention"
+
+    class _Wrap(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path_, target_=None):  # type: ignore[no-untyped-def]
+            if fullname != target:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path_)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_wrap(module):  # type: ignore[no-untyped-def]
+                exec_module(module)
+                cls = module.HalAttnBackend
+                original = cls.init_forward_metadata
+
+                def init_forward_metadata(self, forward_batch):  # type: ignore[no-untyped-def]
+                    with open(path, "a") as log:
+                        log.write(forward_batch.forward_mode.name + "\n")
+                    return original(self, forward_batch)
+
+                cls.init_forward_metadata = init_forward_metadata
+
+            spec.loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _Wrap())
+
+
+if os.environ.get("HAL_SGLANG_FORWARD_LOG"):
+    _log_hal_forwards(os.environ["HAL_SGLANG_FORWARD_LOG"])

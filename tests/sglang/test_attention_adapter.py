@@ -1,0 +1,199 @@
+"""The attention backend ``hal`` on real SGLang ForwardBatch objects, all four modes, against a
+dense float64 oracle over the K/V each position was given.
+
+The prefix K/V goes in through SGLang's own ``set_kv_buffer`` and the new tokens' K/V through the
+hal backend: both land in the one copy of the KV, hal's pool, or the oracle disagrees.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+
+from hal.errors import CacheLocationError, UnsupportedConfigError  # noqa: E402
+from hal.integrations.sglang.attention import HalAttnBackend, SEQ_LEN_FILL_VALUE, page_table_from_req_to_token  # noqa: E402
+from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, V_HEAD_DIM = 4, 2, 16, 8
+PAGE = 4
+POOL_SLOTS = 512
+MAX_REQS, MAX_CONTEXT = 8, 48
+
+
+class World:
+    """An SGLang pool and request table, the K/V every (request, position) holds, and the backend."""
+
+    def __init__(self, pool_cls: type, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.pool = pool_cls(
+            size=POOL_SLOTS, page_size=PAGE, dtype=torch.float32, head_num=KV_HEADS, head_dim=HEAD_DIM,
+            layer_num=2, device="cpu", enable_memory_saver=False, v_head_dim=V_HEAD_DIM,
+        )
+        self.req_to_token = torch.zeros((MAX_REQS, MAX_CONTEXT), dtype=torch.int32)
+        # Each request gets its own pages, in a scrambled order (page 0 is padding).
+        pages = (torch.randperm(POOL_SLOTS // PAGE - 1, generator=self.gen) + 1).tolist()
+        per_req = MAX_CONTEXT // PAGE
+        for r in range(MAX_REQS):
+            mine = torch.tensor(pages[r * per_req : (r + 1) * per_req])
+            self.req_to_token[r] = mine.repeat_interleave(PAGE) * PAGE + torch.arange(MAX_CONTEXT) % PAGE
+        self.k = torch.randn((MAX_REQS, MAX_CONTEXT, KV_HEADS, HEAD_DIM), generator=self.gen, dtype=torch.float64)
+        self.v = torch.randn((MAX_REQS, MAX_CONTEXT, KV_HEADS, V_HEAD_DIM), generator=self.gen, dtype=torch.float64)
+        runner = types.SimpleNamespace(
+            device="cpu",
+            req_to_token_pool=types.SimpleNamespace(req_to_token=self.req_to_token),
+            token_to_kv_pool=self.pool,
+            model_config=types.SimpleNamespace(context_len=MAX_CONTEXT),
+        )
+        self.backend = HalAttnBackend(runner)
+
+    def write_prefix(self, layer: RadixAttention, reqs: list[int], prefix: list[int]) -> None:
+        """Positions ``0..prefix-1`` of each request, written by SGLang's own pool code."""
+        for r, n in zip(reqs, prefix):
+            if n:
+                loc = self.req_to_token[r, :n].long()
+                self.pool.set_kv_buffer(layer, loc, self.k[r, :n].float(), self.v[r, :n].float())
+
+
+def oracle(q: torch.Tensor, world: World, reqs: list[int], q_lens: list[int], kv_lens: list[int], window: int | None) -> torch.Tensor:
+    """Dense attention: row j of a request sits at position kv - q + j and sees keys
+    max(0, p - window) .. p (all of 0..p without a window)."""
+    out, row = [], 0
+    group = Q_HEADS // KV_HEADS
+    for r, ql, kl in zip(reqs, q_lens, kv_lens):
+        k = world.k[r, :kl].repeat_interleave(group, dim=1)  # [kl, Hq, D]
+        v = world.v[r, :kl].repeat_interleave(group, dim=1)
+        for j in range(ql):
+            p = kl - ql + j
+            lo = 0 if window is None else max(0, p - window)
+            scores = torch.einsum("hd,khd->hk", q[row].double(), k[lo : p + 1]) * HEAD_DIM**-0.5
+            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo : p + 1]))
+            row += 1
+    return torch.stack(out).reshape(row, Q_HEADS * V_HEAD_DIM)
+
+
+def chain(n: int) -> types.SimpleNamespace:
+    """The spec_info fields the backend reads from a topk=1 EAGLE batch."""
+    return types.SimpleNamespace(topk=1, num_tokens_per_req=n, draft_token_num=n)
+
+
+def make_batch(mode: ForwardMode, world: World, reqs: list[int], prefix: list[int], q_lens: list[int]) -> ForwardBatch:
+    """A ForwardBatch as SGLang's scheduler fills it for ``mode`` (see the module docstring of
+    ``hal.integrations.sglang.attention`` for the lengths per mode)."""
+    kv = [p + q for p, q in zip(prefix, q_lens)]
+    loc = torch.cat([world.req_to_token[r, p:k].long() for r, p, k in zip(reqs, prefix, kv)])
+    seq_lens = prefix if mode == ForwardMode.TARGET_VERIFY else kv
+    fb = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(reqs),
+        input_ids=torch.zeros(sum(q_lens), dtype=torch.long),
+        req_pool_indices=torch.tensor(reqs, dtype=torch.long),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        out_cache_loc=loc,
+        seq_lens_sum=sum(seq_lens),
+    )
+    fb.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+    if mode == ForwardMode.EXTEND:
+        fb.extend_seq_lens_cpu = list(q_lens)
+        fb.extend_prefix_lens_cpu = list(prefix)
+    if mode == ForwardMode.DRAFT_EXTEND_V2:
+        fb.extend_prefix_lens_cpu = list(prefix)
+    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        fb.spec_info = chain(q_lens[0])
+    return fb
+
+
+CASES = [
+    # mode, requests, prefix lengths, new tokens per request
+    (ForwardMode.EXTEND, [0, 3, 5], [0, 6, 13], [9, 5, 1]),
+    (ForwardMode.DECODE, [1, 2, 7], [4, 15, 30], [1, 1, 1]),
+    (ForwardMode.TARGET_VERIFY, [2, 6], [7, 21], [4, 4]),
+    (ForwardMode.DRAFT_EXTEND_V2, [4, 0, 1], [3, 9, 17], [3, 3, 3]),
+]
+
+
+@pytest.mark.parametrize("pool_cls", [HalMHATokenToKVPool, MHATokenToKVPool], ids=["hal-pool", "in-tree-pool"])
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+@pytest.mark.parametrize(("mode", "reqs", "prefix", "q_lens"), CASES, ids=[c[0].name for c in CASES])
+def test_forward_matches_dense_oracle(pool_cls: type, window: int | None, mode: ForwardMode, reqs: list[int], prefix: list[int], q_lens: list[int]) -> None:
+    world = World(pool_cls, seed=len(reqs) * 7 + sum(prefix))
+    layer = RadixAttention(
+        num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, layer_id=1,
+        v_head_dim=V_HEAD_DIM, sliding_window_size=-1 if window is None else window,
+    )
+    world.write_prefix(layer, reqs, prefix)
+    fb = make_batch(mode, world, reqs, prefix, q_lens)
+    world.backend.init_forward_metadata(fb)
+    assert world.backend.forward_metadata.mode.name == mode.name
+    kv = [p + q for p, q in zip(prefix, q_lens)]
+    k_new = torch.cat([world.k[r, p:n] for r, p, n in zip(reqs, prefix, kv)]).float()
+    v_new = torch.cat([world.v[r, p:n] for r, p, n in zip(reqs, prefix, kv)]).float()
+    q = torch.randn((sum(q_lens), Q_HEADS, HEAD_DIM), generator=world.gen)
+    forward = world.backend.forward_decode if mode == ForwardMode.DECODE else world.backend.forward_extend
+    out = forward(q.reshape(len(q), -1), k_new.reshape(len(q), -1), v_new.reshape(len(q), -1), layer, fb)
+    torch.testing.assert_close(out.double(), oracle(q, world, reqs, q_lens, kv, window), atol=1e-5, rtol=1e-5)
+    # The new K/V is where SGLang reads it: its own buffer views show what hal wrote.
+    loc = fb.out_cache_loc
+    torch.testing.assert_close(world.pool.get_key_buffer(1)[loc], k_new)
+    torch.testing.assert_close(world.pool.get_value_buffer(1)[loc], v_new)
+
+
+def test_one_copy_of_the_kv() -> None:
+    """SGLang's per-layer buffers are views of hal's pool: no second allocation."""
+    world = World(MHATokenToKVPool, seed=1)
+    hal_pool = world.backend.pool
+    for i in range(2):
+        assert world.pool.k_buffer[i].data_ptr() == hal_pool.k_buffer(i).data_ptr()
+        assert world.pool.v_buffer[i].data_ptr() == hal_pool.v_buffer(i).data_ptr()
+        assert world.pool.v_buffer[i].shape[-1] == V_HEAD_DIM
+    assert world.pool.k_data_ptrs.tolist() == [hal_pool.k_buffer(i).data_ptr() for i in range(2)]
+
+
+def test_graph_metadata_keeps_its_tensors_and_takes_new_values() -> None:
+    """Captured metadata is refreshed in place: same tensors, the new batch's values."""
+    world = World(HalMHATokenToKVPool, seed=2)
+    world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    first = make_batch(ForwardMode.DECODE, world, [0, 1], [3, 5], [1, 1])
+    world.backend.init_forward_metadata_out_graph(first, in_capture=True)
+    captured = world.backend.forward_metadata.tensors()
+    second = make_batch(ForwardMode.DECODE, world, [2, 3], [9, 20], [1, 1])
+    world.backend.init_forward_metadata_out_graph(second)
+    replayed = world.backend.forward_metadata
+    assert all(replayed.tensors()[name] is tensor for name, tensor in captured.items())
+    assert replayed.kv_lens_cpu == (10, 21) and replayed.kv_lens.tolist() == [10, 21]
+    assert replayed.out_cache_loc.tolist() == world.req_to_token[[2, 3], [9, 20]].tolist()
+    assert world.backend.get_cuda_graph_seq_len_fill_value() == SEQ_LEN_FILL_VALUE == 1
+
+
+def test_tree_verify_is_refused() -> None:
+    world = World(HalMHATokenToKVPool, seed=3)
+    fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0], [5], [4])
+    fb.spec_info = types.SimpleNamespace(topk=2, num_tokens_per_req=4, draft_token_num=4)
+    with pytest.raises(UnsupportedConfigError, match="topk=2"):
+        world.backend.init_forward_metadata(fb)
+
+
+def test_rows_that_are_not_whole_pages_are_refused() -> None:
+    rows = (torch.tensor([[8, 9, 10, 11, 20, 22, 21, 23]]))
+    with pytest.raises(CacheLocationError, match="position 5 at slot 22"):
+        page_table_from_req_to_token(rows, [8], 4)
+    assert page_table_from_req_to_token(rows[:, :5], [5], 4) == [[2, 5]]
+
+
+def test_a_bad_slot_is_refused_before_anything_is_written() -> None:
+    world = World(HalMHATokenToKVPool, seed=4)
+    layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=0.25, num_kv_heads=KV_HEADS, layer_id=0, v_head_dim=V_HEAD_DIM)
+    fb = make_batch(ForwardMode.EXTEND, world, [0], [0], [2])
+    fb.out_cache_loc = torch.tensor([4, POOL_SLOTS + 2 * PAGE])
+    before = [t.clone() for t in world.pool.k_buffer]
+    with pytest.raises(CacheLocationError, match=str(POOL_SLOTS + 2 * PAGE)):
+        world.backend.init_forward_metadata(fb)
+        world.backend.forward_extend(torch.zeros(2, Q_HEADS * HEAD_DIM), torch.ones(2, KV_HEADS * HEAD_DIM), torch.ones(2, KV_HEADS * V_HEAD_DIM), layer, fb)
+    assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer))

@@ -1,0 +1,62 @@
+"""``sglang.Engine`` on SGLang's CPU path with the attention backend ``hal``: the same greedy tokens
+as SGLang's own ``torch_native`` backend on a tiny Llama with dummy weights, and nothing of hal's
+in the way of a server that does not ask for it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import sglang  # noqa: E402
+
+PROMPTS = [[1, 2, 3], [5, 9, 11, 13, 17, 19, 23], [7] * 12, [100, 3, 44, 250, 8]]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config-only Llama checkpoint: SGLang's dummy loader draws its weights from the seed."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "tie_word_embeddings": False,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def generate(model: Path, attention_backend: str, **kwargs: object) -> list[list[int]]:
+    engine = sglang.Engine(
+        model_path=str(model), device="cpu", attention_backend=attention_backend, load_format="dummy",
+        skip_tokenizer_init=True, disable_cuda_graph=True, random_seed=0, max_total_tokens=4096, **kwargs,
+    )
+    try:
+        out = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})
+    finally:
+        engine.shutdown()
+    return [o["output_ids"] for o in out]
+
+
+def test_hal_gives_torch_natives_tokens(tiny_llama: Path, sgl_kernel_calls: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    forwards = tmp_path / "hal_forwards.txt"
+    monkeypatch.setenv("HAL_SGLANG_FORWARD_LOG", str(forwards))
+    native = generate(tiny_llama, "torch_native")
+    assert not forwards.exists(), "hal's backend ran for a server that asked for torch_native"
+    with_hal = generate(tiny_llama, "hal")
+    assert with_hal == native
+    assert all(len(tokens) == NEW_TOKENS for tokens in with_hal)
+    modes = set(forwards.read_text().split())
+    assert {"EXTEND", "DECODE"} <= modes, f"hal's backend prepared {sorted(modes)}"
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
+
+
+def test_hal_pages_match_torch_native(tiny_llama: Path, sgl_kernel_calls: Path) -> None:
+    """With pages of 4 tokens hal's page tables come from SGLang's paged allocator."""
+    assert generate(tiny_llama, "hal", page_size=4) == generate(tiny_llama, "torch_native", page_size=4)
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
