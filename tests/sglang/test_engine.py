@@ -51,12 +51,25 @@ def test_hal_gives_torch_natives_tokens(tiny_llama: Path, sgl_kernel_calls: Path
     with_hal = generate(tiny_llama, "hal")
     assert with_hal == native
     assert all(len(tokens) == NEW_TOKENS for tokens in with_hal)
-    modes = set(forwards.read_text().split())
-    assert {"EXTEND", "DECODE"} <= modes, f"hal's backend prepared {sorted(modes)}"
+    served = {tuple(line.split()) for line in forwards.read_text().splitlines()}
+    # Without the platform the in-tree pool keeps its KV in hal's pool (see kv_pool.store_in_hal_pool).
+    assert {("EXTEND", "MHATokenToKVPool"), ("DECODE", "MHATokenToKVPool")} <= served, served
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
 
 
 def test_hal_pages_match_torch_native(tiny_llama: Path, sgl_kernel_calls: Path) -> None:
     """With pages of 4 tokens hal's page tables come from SGLang's paged allocator."""
     assert generate(tiny_llama, "hal", page_size=4) == generate(tiny_llama, "torch_native", page_size=4)
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
+
+
+def test_platform_hal_serves_with_hals_pool(tiny_llama: Path, sgl_kernel_calls: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLANG_PLATFORM=hal: SGLang builds hal's KV pool class through the platform hook."""
+    native = generate(tiny_llama, "torch_native")
+    forwards = tmp_path / "hal_forwards.txt"
+    monkeypatch.setenv("HAL_SGLANG_FORWARD_LOG", str(forwards))
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    assert generate(tiny_llama, "hal") == native
+    served = {tuple(line.split()) for line in forwards.read_text().splitlines()}
+    assert {("EXTEND", "HalMHATokenToKVPool"), ("DECODE", "HalMHATokenToKVPool")} <= served, served
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"

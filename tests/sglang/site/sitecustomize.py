@@ -22,8 +22,8 @@ _declare_missing_torchvision_ops()
 
 
 def _log_hal_forwards(path: str) -> None:
-    """Append the mode of every forward the attention backend ``hal`` prepares to ``path``, in any
-    process: the Engine tests read it to tell which backend served a request."""
+    """Append ``<mode> <KV pool class>`` for every forward the attention backend ``hal`` prepares
+    to ``path``, in any process: the Engine tests read it to tell what served a request."""
     import importlib.abc
     import importlib.machinery
     import sys
@@ -46,7 +46,7 @@ def _log_hal_forwards(path: str) -> None:
 
                 def init_forward_metadata(self, forward_batch):  # type: ignore[no-untyped-def]
                     with open(path, "a") as log:
-                        log.write(forward_batch.forward_mode.name + "\n")
+                        log.write(f"{forward_batch.forward_mode.name} {type(self.sgl_pool).__name__}\n")
                     return original(self, forward_batch)
 
                 cls.init_forward_metadata = init_forward_metadata

@@ -1,0 +1,80 @@
+"""hal's graphs behind SGLang's graph-runner seams (used by ``platform.HalPlatform``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from hal.errors import GraphError, UnsupportedConfigError
+from hal.graph import GraphUpdate
+from hal.integrations.sglang.kv_pool import hal_backend_for
+from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
+from sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+    MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
+)
+
+
+class HalGraphBackend(BaseCudaGraphBackend):
+    """SGLang's per-shape graph backend on hal's graphs (NPUGraph, CUDA graph or eager).
+
+    Before each replay the attention backend has refreshed its captured metadata; the host-side
+    arguments hal's kernels recorded at capture (FIA's ``actual_seq_kvlen`` on Ascend) are then
+    taken from that metadata and handed to the graph, so no replay runs on stale lengths.
+    """
+
+    def __init__(self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, reuse_output_buffer: bool = False) -> None:
+        if enable_memory_saver:
+            raise UnsupportedConfigError("hal's graph backend: --enable-memory-saver is not supported")
+        self._runner = cuda_graph_runner
+        self._backend = hal_backend_for(cuda_graph_runner.model_runner.device)
+        self._graphs: dict[Any, Any] = {}
+        self._outputs: dict[Any, Any] = {}
+        self._memory_pool: Any = None
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any) -> Iterator[None]:
+        if self._memory_pool is None:
+            self._memory_pool = self._backend.graph_memory_pool()
+        yield
+
+    def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None, post_warmup_hook: Any = None) -> None:
+        for _ in range(2):  # lazy initialisation and workspaces happen before capture
+            forward_fn()
+            if post_warmup_hook is not None:
+                post_warmup_hook()
+        graph = self._backend.create_graph()
+        self._outputs[shape_key] = graph.capture(forward_fn, memory_pool=self._memory_pool)
+        self._graphs[shape_key] = graph
+
+    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
+        return shape_key in self._graphs
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def _attention_metadata(self) -> Any:
+        backend = getattr(self._runner, "attn_backend", None) or self._runner.model_runner.attn_backend
+        metadata = getattr(backend, "forward_metadata", None)
+        if metadata is None:
+            raise GraphError("hal's graph backend: the attention backend prepared no metadata for this replay")
+        return metadata
+
+    def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
+        graph = self._graphs[shape_key]
+        update = None
+        if graph.captured_calls:
+            metadata = self._attention_metadata()
+            update = GraphUpdate(host_params=tuple(kernel.updatable_params(metadata, layer) for kernel, layer in graph.captured_calls))
+        graph.replay(update)
+        return self._outputs[shape_key]
+
+    def cleanup(self) -> None:
+        self._graphs.clear()
+        self._outputs.clear()
+
+
+class HalMultiLayerEagleDraftExtendRunner(MultiLayerEagleMultiStepDraftExtendCudaGraphRunner):
+    """The multi-layer EAGLE draft-extend runner on every device hal serves: SGLang's multi-step
+    runner, whose per-step graphs go through the platform's graph backend (``HalGraphBackend``)."""

@@ -1,0 +1,85 @@
+"""SGLang platform ``hal`` (``SGLANG_PLATFORM=hal``): SGLang's own platform for the device hal
+picks, with hal's attention backend, KV pool, graph backend and multi-layer EAGLE draft-extend
+runner in place of the device's own.
+
+The in-tree platform stays the base class so everything hal does not replace (distributed groups,
+memory queries, quantization) is SGLang's. Which in-tree platform that is comes from hal's backend
+for ``auto`` (``HAL_SGLANG_DEVICE`` overrides), looked up by device type in one table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import hal
+from hal.errors import UnsupportedConfigError
+from hal.integrations.sglang.plugin import NAME
+from sglang.srt.platforms.interface import PlatformCapabilities
+
+# SGLang resolves its platform while ``sglang.srt.platforms`` is still importing: this module
+# imports no other SGLang module at load time; the hooks import what they return.
+
+# hal device type -> the in-tree SGLang platform class for it.
+IN_TREE_PLATFORMS = {
+    "cpu": "sglang.srt.platforms.cpu.CpuSRTPlatform",
+    "cuda": "sglang.srt.platforms.cuda.CudaSRTPlatform",
+    "npu": "sglang.srt.platforms.npu.NPUSRTPlatform",
+}
+
+
+def in_tree_platform_class(device_type: str) -> type:
+    """SGLang's platform class for a hal device type."""
+    try:
+        module, _, name = IN_TREE_PLATFORMS[device_type].rpartition(".")
+    except KeyError:
+        raise UnsupportedConfigError(
+            f"SGLANG_PLATFORM=hal: hal's device {device_type!r} has no SGLang platform; expected one of {sorted(IN_TREE_PLATFORMS)}"
+        ) from None
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+_HAL_BACKEND = hal.get_backend(os.environ.get("HAL_SGLANG_DEVICE", "auto"))
+_IN_TREE = in_tree_platform_class(_HAL_BACKEND.device_type)
+
+
+class HalPlatform(_IN_TREE):  # type: ignore[misc,valid-type]
+    """SGLang's platform for the device, with hal's parts where the platform interface has hooks."""
+
+    capabilities = PlatformCapabilities(
+        supports_triton=_IN_TREE.capabilities.supports_triton,
+        graph_capture=_HAL_BACKEND.captures_graphs,  # hal's graphs replay without re-running Python
+    )
+
+    def is_out_of_tree(self) -> bool:
+        # SGLang consults the graph-backend and speculative-runner hooks of out-of-tree platforms
+        # only; the device identity (is_cpu(), is_npu(), ...) stays the in-tree platform's.
+        return True
+
+    def get_default_attention_backend(self) -> str:
+        return NAME
+
+    def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+        return NAME
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        return backend == NAME
+
+    def get_kv_pool_cls(self, *, kind: str) -> type | None:
+        if kind == "mha":
+            from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool
+
+            return HalMHATokenToKVPool
+        return super().get_kv_pool_cls(kind=kind)  # type: ignore[no-any-return]
+
+    def get_full_graph_backend_cls(self) -> type:
+        from hal.integrations.sglang.graph import HalGraphBackend
+
+        return HalGraphBackend
+
+    def get_speculative_graph_runner_cls(self, algorithm: str, phase: str) -> type | None:
+        if phase == "draft_extend" and "MULTI_LAYER" in str(algorithm).upper():
+            from hal.integrations.sglang.graph import HalMultiLayerEagleDraftExtendRunner
+
+            return HalMultiLayerEagleDraftExtendRunner
+        return super().get_speculative_graph_runner_cls(algorithm, phase)  # type: ignore[no-any-return]

@@ -1,0 +1,66 @@
+"""hal's SGLang entry points: what they register, and that an installed hal changes nothing for
+a server that does not ask for it."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from hal.integrations.sglang import plugin  # noqa: E402
+from sglang.srt import platforms  # noqa: E402
+from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.platforms.cpu import CpuSRTPlatform  # noqa: E402
+
+
+def test_entry_points_are_installed() -> None:
+    general = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    platform = {ep.name: ep.value for ep in entry_points(group="sglang.srt.platforms")}
+    assert general.get("hal") == "hal.integrations.sglang.plugin:register"
+    assert platform.get("hal") == "hal.integrations.sglang.plugin:activate_platform"
+
+
+def test_register_adds_the_backend_once() -> None:
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    plugin.register()
+    plugin.register()
+    assert ATTENTION_BACKEND_CHOICES.count("hal") == 1
+    assert ATTENTION_BACKENDS["hal"] is plugin.create_attention_backend
+
+
+def test_platform_stays_sglangs_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    assert plugin.activate_platform() is None
+    assert type(platforms._resolve_platform()) is CpuSRTPlatform
+    monkeypatch.setenv("SGLANG_PLATFORM", "npu")
+    assert plugin.activate_platform() is None
+
+
+def test_platform_hal_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    platform = platforms._resolve_platform()
+    from hal.integrations.sglang.graph import HalGraphBackend, HalMultiLayerEagleDraftExtendRunner
+    from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool
+    from hal.integrations.sglang.platform import HalPlatform
+    from sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner import (
+        MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
+    )
+
+    assert type(platform) is HalPlatform
+    assert isinstance(platform, CpuSRTPlatform) and platform.is_cpu()  # the device stays SGLang's CPU
+    assert platform.is_out_of_tree()
+    assert platform.get_kv_pool_cls(kind="mha") is HalMHATokenToKVPool
+    assert issubclass(HalMHATokenToKVPool, MHATokenToKVPool)
+    assert platform.get_kv_pool_cls(kind="mla") is None
+    assert platform.get_full_graph_backend_cls() is HalGraphBackend
+    runner = platform.get_speculative_graph_runner_cls(algorithm="MULTI_LAYER_EAGLE", phase="draft_extend")
+    assert runner is HalMultiLayerEagleDraftExtendRunner
+    assert issubclass(runner, MultiLayerEagleMultiStepDraftExtendCudaGraphRunner)
+    assert platform.get_speculative_graph_runner_cls(algorithm="EAGLE", phase="draft_decode") is None
+    assert platform.get_default_attention_backend() == "hal"
+    # hal's CPU backend runs graphs eagerly: SGLang is told not to capture.
+    assert platform.capabilities.graph_capture is False
