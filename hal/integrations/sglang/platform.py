@@ -10,6 +10,7 @@ for ``auto`` (``HAL_SGLANG_DEVICE`` overrides), looked up by device type in one 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 import os
 
 import hal
@@ -40,10 +41,10 @@ def in_tree_platform_class(device_type: str) -> type:
 
 
 _HAL_BACKEND = hal.get_backend(os.environ.get("HAL_SGLANG_DEVICE", "auto"))
-_IN_TREE = in_tree_platform_class(_HAL_BACKEND.device_type)
+_IN_TREE: Any = in_tree_platform_class(_HAL_BACKEND.device_type)
 
 
-class HalPlatform(_IN_TREE):  # type: ignore[misc,valid-type]
+class HalPlatform(_IN_TREE):  # type: ignore[misc]
     """SGLang's platform for the device, with hal's parts where the platform interface has hooks."""
 
     capabilities = PlatformCapabilities(
