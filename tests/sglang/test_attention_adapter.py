@@ -172,6 +172,15 @@ def test_graph_metadata_keeps_its_tensors_and_takes_new_values() -> None:
     assert world.backend.get_cuda_graph_seq_len_fill_value() == SEQ_LEN_FILL_VALUE == 1
 
 
+def test_a_hybrid_pool_is_refused_by_name() -> None:
+    from hal.integrations.sglang.kv_pool import store_in_hal_pool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    hybrid = SWAKVPool.__new__(SWAKVPool)  # its type is what is refused, before any attribute is read
+    with pytest.raises(UnsupportedConfigError, match="SWAKVPool: hal stores SGLang's MHATokenToKVPool"):
+        store_in_hal_pool(hybrid)
+
+
 def test_tree_verify_is_refused() -> None:
     world = World(HalMHATokenToKVPool, seed=3)
     fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0], [5], [4])

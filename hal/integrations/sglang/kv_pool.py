@@ -31,6 +31,11 @@ def hal_backend_for(device: str | torch.device) -> hal.Backend:
 def hal_pool_spec(sgl_pool: Any) -> KVPoolSpec:
     """The hal pool spec with ``sgl_pool``'s geometry; raises for layouts hal does not store."""
     name = type(sgl_pool).__name__
+    if not isinstance(sgl_pool, MHATokenToKVPool):
+        raise UnsupportedConfigError(
+            f"{name}: hal stores SGLang's MHATokenToKVPool (one head count and head dims for every layer); "
+            "hybrid and MLA pools are not supported"
+        )
     if sgl_pool.is_quantized_kv_cache or sgl_pool.store_dtype != sgl_pool.dtype:
         raise UnsupportedConfigError(
             f"{name}: a quantized KV cache (store dtype {sgl_pool.store_dtype}, compute dtype {sgl_pool.dtype}) "
