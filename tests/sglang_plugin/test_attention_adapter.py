@@ -103,7 +103,8 @@ def make_batch(mode: ForwardMode, world: World, reqs: list[int], prefix: list[in
     if mode == ForwardMode.EXTEND:
         fb.extend_seq_lens_cpu = list(q_lens)
         fb.extend_prefix_lens_cpu = list(prefix)
-    if mode == ForwardMode.DRAFT_EXTEND_V2:
+    if mode == ForwardMode.DRAFT_EXTEND_V2:  # SGLang's eager path; its graph path leaves these out
+        fb.extend_seq_lens_cpu = list(q_lens)
         fb.extend_prefix_lens_cpu = list(prefix)
     if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
         fb.spec_info = chain(q_lens[0])
@@ -143,6 +144,19 @@ def test_forward_matches_dense_oracle(pool_cls: type, window: int | None, mode: 
     loc = fb.out_cache_loc
     torch.testing.assert_close(world.pool.get_key_buffer(1)[loc], k_new)
     torch.testing.assert_close(world.pool.get_value_buffer(1)[loc], v_new)
+
+
+def test_draft_extend_lengths_without_the_extend_fields() -> None:
+    """SGLang's graph path gives DRAFT_EXTEND_V2 only seq_lens (after the write) and spec_info."""
+    world = World(HalMHATokenToKVPool, seed=5)
+    full = make_batch(ForwardMode.DRAFT_EXTEND_V2, world, [1, 2], [6, 11], [3, 3])
+    world.backend.init_forward_metadata(full)
+    expected = world.backend.forward_metadata
+    full.extend_seq_lens_cpu = full.extend_prefix_lens_cpu = None
+    world.backend.init_forward_metadata(full)
+    got = world.backend.forward_metadata
+    assert (got.q_lens_cpu, got.kv_lens_cpu) == (expected.q_lens_cpu, expected.kv_lens_cpu) == ((3, 3), (9, 14))
+    assert torch.equal(got.block_table, expected.block_table)
 
 
 def test_one_copy_of_the_kv() -> None:

@@ -14,11 +14,12 @@ SGLang mode         query rows per request        keys per request
 EXTEND              ``extend_seq_lens``            ``seq_lens``
 DECODE              1                              ``seq_lens``
 TARGET_VERIFY       ``num_tokens_per_req``         ``seq_lens + num_tokens_per_req``
-DRAFT_EXTEND_V2     ``num_tokens_per_req``         prefix + ``num_tokens_per_req``
+DRAFT_EXTEND_V2     ``extend_seq_lens``, else      ``seq_lens`` (they count the new rows)
+                    ``num_tokens_per_req``
 ==================  ============================  ==========================================
 
-Target-verify and draft-extend batches must be chains (``topk == 1``): hal masks every mode
-bottom-right causal, which is a chain's mask; a tree's custom mask is refused, not ignored.
+Target-verify batches must be chains (``topk == 1``): hal masks every mode bottom-right causal,
+which is a chain's mask; a tree's custom mask is refused, not ignored.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def hal_mode(mode: Any) -> ForwardMode:
 
 
 def tokens_per_request(forward_batch: Any) -> int:
-    """Query rows per request of a target-verify or draft-extend batch (a chain: ``topk == 1``)."""
+    """Query rows per request of a speculative batch from its spec_info; a tree (``topk > 1``) is refused."""
     spec = forward_batch.spec_info
     if spec is None:
         raise SpecError(f"attention backend 'hal': a {forward_batch.forward_mode.name} batch carries no spec_info")
@@ -96,15 +97,19 @@ def request_lengths(forward_batch: Any) -> tuple[list[int], list[int]]:
         return q, seq_lens
     if mode is ForwardMode.DECODE:
         return [1] * b, seq_lens
-    n = tokens_per_request(forward_batch)
     if mode is ForwardMode.TARGET_VERIFY:
+        n = tokens_per_request(forward_batch)
         return [n] * b, [s + n for s in seq_lens]
-    # DRAFT_EXTEND_V2: the prefix is what the request had before these rows.
+    # DRAFT_EXTEND_V2: seq_lens already count the rows being written (SGLang's eager path also
+    # fills extend_seq_lens / extend_prefix_lens; its graph path leaves them out).
+    if forward_batch.extend_seq_lens_cpu is not None:
+        q = _host_ints(forward_batch.extend_seq_lens_cpu, "extend_seq_lens_cpu")
+    else:
+        q = [tokens_per_request(forward_batch)] * b
     if forward_batch.extend_prefix_lens_cpu is not None:
         prefix = _host_ints(forward_batch.extend_prefix_lens_cpu, "extend_prefix_lens_cpu")
-    else:
-        prefix = [s - n for s in seq_lens]
-    return [n] * b, [p + n for p in prefix]
+        return q, [p + n for p, n in zip(prefix, q)]
+    return q, seq_lens
 
 
 def page_table_from_req_to_token(rows: torch.Tensor, kv_lens: list[int], page_size: int) -> list[list[int]]:
