@@ -177,13 +177,6 @@ def layer_spec(layer: Any, pool_layer: int, *, has_sinks: bool) -> LayerSpec:
     )
 
 
-@attrs.define
-class _CapturedMetadata:
-    """The metadata a captured graph reads, at fixed addresses, for one (mode, batch size)."""
-
-    metadata: AttentionMetadata
-
-
 class HalAttnBackend(AttentionBackend):
     """Attention through hal: metadata per forward, the device's hal kernel per layer.
 
@@ -201,7 +194,8 @@ class HalAttnBackend(AttentionBackend):
         self.start_layer = self.sgl_pool.start_layer
         context_len = model_runner.model_config.context_len
         self._graph_max_pages = -(-context_len // self.pool.spec.page_size)
-        self._captured: dict[tuple[ForwardMode, int], _CapturedMetadata] = {}
+        # The metadata each captured graph reads, at fixed addresses, by (mode, batch size).
+        self._captured: dict[tuple[ForwardMode, int], AttentionMetadata] = {}
         self._layer_specs: dict[tuple[int, bool], LayerSpec] = {}
         self.forward_metadata: AttentionMetadata | None = None
 
@@ -224,12 +218,10 @@ class HalAttnBackend(AttentionBackend):
             return
         fresh = metadata_from_forward_batch(forward_batch, self.req_to_token, self.pool, max_pages=self._graph_max_pages)
         key = (fresh.mode, fresh.batch_size)
-        captured = self._captured.get(key)
-        if in_capture or captured is None:
-            self._captured[key] = _CapturedMetadata(fresh)
-            self.forward_metadata = fresh
+        static = self._captured.get(key)
+        if in_capture or static is None:
+            self._captured[key] = self.forward_metadata = fresh
             return
-        static = captured.metadata
         for name, tensor in static.tensors().items():
             tensor.copy_(fresh.tensors()[name])
         # The device tensors stay the captured ones; the host copies describe the new batch.
