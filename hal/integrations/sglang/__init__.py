@@ -43,10 +43,26 @@ SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
         "layer_num, start_layer, dtype, store_dtype, device, kv_cache_layout, is_quantized_kv_cache, post_capture_active",
     ),
     "sglang/srt/platforms/interface.py": (
-        "SRTPlatform: get_kv_pool_cls(kind=), get_default_attention_backend, get_graph_runner_cls, "
-        "get_speculative_graph_runner_cls",
+        "SRTPlatform: get_kv_pool_cls(kind=), get_default_attention_backend, "
+        "get_default_speculative_draft_attention_backend, supports_speculative_draft_attention_backend, "
+        "get_full_graph_backend_cls, get_speculative_graph_runner_cls(algorithm, phase), capabilities",
+        "PlatformCapabilities(supports_triton, graph_capture)",
+    ),
+    "sglang/srt/platforms/device_mixin.py": ("DeviceMixin.is_out_of_tree (overridden: True)",),
+    "sglang/srt/platforms/cpu.py, cuda.py, npu.py": ("CpuSRTPlatform, CudaSRTPlatform, NPUSRTPlatform (HalPlatform's base)",),
+    "sglang/srt/arg_groups/platform_hook.py": (
+        "handle_cpu_backends sets the CPU attention default before handle_platform_defaults runs",
+    ),
+    "sglang/srt/model_executor/runner_backend/base_cuda_graph_backend.py": (
+        "BaseCudaGraphBackend: capture_session, capture_one, can_run, replay_session, replay, cleanup; "
+        "the runner's model_runner.device and attn_backend",
+    ),
+    "sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py": (
+        "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner (HalMultiLayerEagleDraftExtendRunner's base)",
     ),
     "sglang/srt/platforms/__init__.py": ("_resolve_platform (SGLANG_PLATFORM; an activate() returning None is skipped)",),
     "sglang/srt/plugins/__init__.py": ("entry-point groups sglang.srt.plugins, sglang.srt.platforms",),
-    "sglang/srt/speculative/multi_layer_eagle_worker_v2.py": ("_is_npu runner choice (patches/)",),
+    "sglang/srt/speculative/multi_layer_eagle_worker_v2.py": (
+        "MultiLayerEagleDraftWorker._capture_cuda_graphs: the _is_npu runner choice (patches/)",
+    ),
 }
