@@ -64,3 +64,37 @@ def test_platform_hal_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert platform.get_default_attention_backend() == "hal"
     # hal's CPU backend runs graphs eagerly: SGLang is told not to capture.
     assert platform.capabilities.graph_capture is False
+
+
+def member_exists(owner: type, member: str) -> bool:
+    """A method or class attribute, a dataclass/msgspec field, or an instance attribute its
+    class (or a base) assigns in its source."""
+    import inspect
+
+    if hasattr(owner, member) or member in getattr(owner, "__annotations__", {}):
+        return True
+    for cls in inspect.getmro(owner):
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        if f"self.{member} =" in source or f"self.{member}:" in source or f"    {member}:" in source:
+            return True
+    return False
+
+
+def test_every_listed_internal_exists_in_the_pinned_sglang() -> None:
+    import importlib
+
+    from hal.integrations.sglang import SGLANG_INTERNALS
+
+    missing = []
+    for module_name, names in SGLANG_INTERNALS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            head, _, member = name.partition(".")
+            if not hasattr(module, head):
+                missing.append(f"{module_name}.{head}")
+            elif member and not member_exists(getattr(module, head), member):
+                missing.append(f"{module_name}.{name}")
+    assert not missing, missing

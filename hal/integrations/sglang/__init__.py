@@ -15,54 +15,64 @@ from __future__ import annotations
 #: The SGLang version these adapters are tested against (``.ci/sglang``).
 TESTED_SGLANG_VERSION = "0.5.23"
 
-#: Every SGLang name the adapters read, call, subclass or patch, by file (SGLang 0.5.23), so an
-#: upgrade knows what to re-check.
+#: Every SGLang name the adapters read, call, subclass or patch, by module (SGLang 0.5.23), so an
+#: upgrade knows what to re-check. ``Class.member`` names a method, class attribute, dataclass
+#: field or instance attribute; ``tests/sglang_plugin/test_plugin.py`` checks each still exists.
 SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
-    "sglang/srt/layers/attention/attention_registry.py": ("register_attention_backend",),
-    "sglang/srt/arg_groups/choices.py": ("ATTENTION_BACKEND_CHOICES", "add_attention_backend_choices"),
-    "sglang/srt/layers/attention/base_attn_backend.py": (
-        "AttentionBackend: init_forward_metadata, init_cuda_graph_state, init_forward_metadata_out_graph, "
-        "init_forward_metadata_in_graph, get_cuda_graph_seq_len_fill_value, forward_extend, forward_decode",
+    "sglang.srt.plugins": ("PLATFORM_PLUGINS_GROUP", "GENERAL_PLUGINS_GROUP"),
+    "sglang.srt.platforms": ("_resolve_platform",),
+    "sglang.srt.arg_groups.choices": ("ATTENTION_BACKEND_CHOICES", "add_attention_backend_choices"),
+    "sglang.srt.arg_groups.platform_hook": ("handle_cpu_backends", "handle_platform_defaults"),
+    "sglang.srt.layers.attention.attention_registry": ("register_attention_backend", "ATTENTION_BACKENDS"),
+    "sglang.srt.layers.attention.base_attn_backend": (
+        "AttentionBackend.init_forward_metadata", "AttentionBackend.init_cuda_graph_state",
+        "AttentionBackend.init_forward_metadata_out_graph", "AttentionBackend.init_forward_metadata_in_graph",
+        "AttentionBackend.get_cuda_graph_seq_len_fill_value", "AttentionBackend.forward_extend",
+        "AttentionBackend.forward_decode", "AttentionBackend.forward_metadata",
     ),
-    "sglang/srt/model_executor/forward_batch_info.py": (
-        "ForwardMode: EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2, IDLE, MIXED",
-        "ForwardBatch: forward_mode, batch_size, req_pool_indices, seq_lens, seq_lens_cpu, extend_seq_lens_cpu, "
-        "extend_prefix_lens_cpu, out_cache_loc, spec_info",
+    "sglang.srt.model_executor.forward_batch_info": (
+        "ForwardMode.EXTEND", "ForwardMode.DECODE", "ForwardMode.TARGET_VERIFY", "ForwardMode.DRAFT_EXTEND_V2",
+        "ForwardMode.is_idle", "ForwardBatch.forward_mode", "ForwardBatch.batch_size", "ForwardBatch.req_pool_indices",
+        "ForwardBatch.seq_lens", "ForwardBatch.seq_lens_cpu", "ForwardBatch.extend_seq_lens_cpu",
+        "ForwardBatch.extend_prefix_lens_cpu", "ForwardBatch.out_cache_loc", "ForwardBatch.spec_info",
     ),
-    "sglang/srt/speculative/spec_info.py": ("SpecInput.num_tokens_per_req", "SpecInput.draft_token_num", "SpecInput.topk"),
-    "sglang/srt/layers/radix_attention.py": (
-        "RadixAttention: layer_id, tp_q_head_num, tp_k_head_num, qk_head_dim, v_head_dim, scaling, "
-        "sliding_window_size, logit_cap, is_cross_attention, attn_type",
+    "sglang.srt.speculative.spec_info": ("SpecInput.num_tokens_per_req",),
+    "sglang.srt.layers.radix_attention": (
+        "AttentionType.ENCODER_ONLY", "RadixAttention.layer_id", "RadixAttention.tp_q_head_num",
+        "RadixAttention.tp_k_head_num", "RadixAttention.qk_head_dim", "RadixAttention.v_head_dim",
+        "RadixAttention.scaling", "RadixAttention.sliding_window_size", "RadixAttention.logit_cap",
+        "RadixAttention.is_cross_attention", "RadixAttention.attn_type",
     ),
-    "sglang/srt/model_executor/model_runner.py": (
-        "ModelRunner: device, gpu_id, req_to_token_pool.req_to_token, token_to_kv_pool, model_config.context_len",
+    "sglang.srt.model_executor.model_runner": (
+        "ModelRunner.device", "ModelRunner.req_to_token_pool", "ModelRunner.token_to_kv_pool", "ModelRunner.model_config",
     ),
-    "sglang/srt/mem_cache/memory_pool.py": (
-        "MHATokenToKVPool: __init__ keyword arguments, _create_buffers, _build_kv_buffer_descs, "
-        "_init_data_ptrs_and_strides, k_buffer, v_buffer, size, page_size, head_num, head_dim, v_head_dim, "
-        "layer_num, start_layer, dtype, store_dtype, device, kv_cache_layout, is_quantized_kv_cache, post_capture_active",
+    "sglang.srt.mem_cache.memory_pool": (
+        "ReqToTokenPool.req_to_token", "MHATokenToKVPool._create_buffers", "MHATokenToKVPool._build_kv_buffer_descs",
+        "MHATokenToKVPool._init_data_ptrs_and_strides", "MHATokenToKVPool.k_buffer", "MHATokenToKVPool.v_buffer",
+        "MHATokenToKVPool.head_num", "MHATokenToKVPool.head_dim", "MHATokenToKVPool.v_head_dim",
+        "MHATokenToKVPool.kv_cache_layout", "MHATokenToKVPool.is_quantized_kv_cache", "MHATokenToKVPool.post_capture_active",
+        "KVCache.size", "KVCache.page_size", "KVCache.layer_num", "KVCache.start_layer", "KVCache.dtype",
+        "KVCache.store_dtype", "KVCache.device",
     ),
-    "sglang/srt/platforms/interface.py": (
-        "SRTPlatform: get_kv_pool_cls(kind=), get_default_attention_backend, "
-        "get_default_speculative_draft_attention_backend, supports_speculative_draft_attention_backend, "
-        "get_full_graph_backend_cls, get_speculative_graph_runner_cls(algorithm, phase), capabilities",
-        "PlatformCapabilities(supports_triton, graph_capture)",
+    "sglang.srt.platforms.interface": (
+        "SRTPlatform.get_kv_pool_cls", "SRTPlatform.get_default_attention_backend",
+        "SRTPlatform.get_default_speculative_draft_attention_backend",
+        "SRTPlatform.supports_speculative_draft_attention_backend", "SRTPlatform.get_full_graph_backend_cls",
+        "SRTPlatform.get_speculative_graph_runner_cls", "SRTPlatform.capabilities",
+        "PlatformCapabilities.supports_triton", "PlatformCapabilities.graph_capture",
     ),
-    "sglang/srt/platforms/device_mixin.py": ("DeviceMixin.is_out_of_tree (overridden: True)",),
-    "sglang/srt/platforms/cpu.py, cuda.py, npu.py": ("CpuSRTPlatform, CudaSRTPlatform, NPUSRTPlatform (HalPlatform's base)",),
-    "sglang/srt/arg_groups/platform_hook.py": (
-        "handle_cpu_backends sets the CPU attention default before handle_platform_defaults runs",
+    "sglang.srt.platforms.device_mixin": ("DeviceMixin.is_out_of_tree",),
+    "sglang.srt.platforms.cpu": ("CpuSRTPlatform",),
+    "sglang.srt.platforms.cuda": ("CudaSRTPlatform",),
+    "sglang.srt.platforms.npu": ("NPUSRTPlatform",),
+    "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend": (
+        "BaseCudaGraphBackend.capture_session", "BaseCudaGraphBackend.capture_one", "BaseCudaGraphBackend.can_run",
+        "BaseCudaGraphBackend.replay_session", "BaseCudaGraphBackend.replay", "BaseCudaGraphBackend.cleanup",
     ),
-    "sglang/srt/model_executor/runner_backend/base_cuda_graph_backend.py": (
-        "BaseCudaGraphBackend: capture_session, capture_one, can_run, replay_session, replay, cleanup; "
-        "the runner's model_runner.device and attn_backend",
+    "sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner": (
+        "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner",
     ),
-    "sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py": (
-        "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner (HalMultiLayerEagleDraftExtendRunner's base)",
-    ),
-    "sglang/srt/platforms/__init__.py": ("_resolve_platform (SGLANG_PLATFORM; an activate() returning None is skipped)",),
-    "sglang/srt/plugins/__init__.py": ("entry-point groups sglang.srt.plugins, sglang.srt.platforms",),
-    "sglang/srt/speculative/multi_layer_eagle_worker_v2.py": (
-        "MultiLayerEagleDraftWorker._capture_cuda_graphs: the _is_npu runner choice (patches/)",
+    "sglang.srt.speculative.multi_layer_eagle_worker_v2": (
+        "MultiLayerEagleDraftWorker._capture_cuda_graphs",  # its _is_npu runner choice: patches/
     ),
 }
