@@ -1,10 +1,13 @@
 """``sglang.Engine`` on SGLang's CPU path with the attention backend ``hal``: the same greedy tokens
-as SGLang's own ``torch_native`` backend on a tiny Llama with dummy weights, and nothing of hal's
-in the way of a server that does not ask for it."""
+as SGLang's own ``torch_native`` backend on a tiny random Llama, and nothing of hal's in the way of
+a server that does not ask for it.
+
+The Llama's weights are drawn with a large spread (``initializer_range=0.3``) so attention decides
+the tokens: with SGLang's near-zero dummy weights a decode step that misses its newest key still
+gave the same tokens, while with these it changes them from the second token on."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,22 +22,24 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A config-only Llama checkpoint: SGLang's dummy loader draws its weights from the seed."""
+    """A random fp32 Llama saved by transformers."""
+    import torch
+    import transformers
+
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "tie_word_embeddings": False,
-    }
-    (path / "config.json").write_text(json.dumps(config))
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, architectures=["LlamaForCausalLM"],
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
 
 
 def generate(model: Path, attention_backend: str, **kwargs: object) -> list[list[int]]:
     engine = sglang.Engine(
-        model_path=str(model), device="cpu", attention_backend=attention_backend, load_format="dummy",
-        skip_tokenizer_init=True, disable_cuda_graph=True, random_seed=0, max_total_tokens=4096, **kwargs,
+        model_path=str(model), device="cpu", attention_backend=attention_backend, skip_tokenizer_init=True, disable_cuda_graph=True, random_seed=0, max_total_tokens=4096, **kwargs,
     )
     try:
         out = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})
