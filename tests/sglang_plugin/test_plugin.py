@@ -26,10 +26,15 @@ def test_entry_points_are_installed() -> None:
 def test_register_adds_the_backend_once() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
+    backends_before = {k: v for k, v in ATTENTION_BACKENDS.items() if k != "hal"}
+    choices_before = [c for c in ATTENTION_BACKEND_CHOICES if c != "hal"]
     plugin.register()
     plugin.register()
     assert ATTENTION_BACKEND_CHOICES.count("hal") == 1
     assert ATTENTION_BACKENDS["hal"] is plugin.create_attention_backend
+    # Every other backend and choice is as it was.
+    assert {k: v for k, v in ATTENTION_BACKENDS.items() if k != "hal"} == backends_before
+    assert [c for c in ATTENTION_BACKEND_CHOICES if c != "hal"] == choices_before
 
 
 def test_platform_stays_sglangs_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
