@@ -15,7 +15,8 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 
-from hal.errors import CacheLocationError, UnsupportedConfigError  # noqa: E402
+from hal import ForwardMode as HalMode  # noqa: E402
+from hal.errors import CacheLocationError, GraphError, UnsupportedConfigError  # noqa: E402
 from hal.integrations.sglang.attention import HalAttnBackend, SEQ_LEN_FILL_VALUE, page_table_from_req_to_token  # noqa: E402
 from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
@@ -184,6 +185,12 @@ def test_graph_metadata_keeps_its_tensors_and_takes_new_values() -> None:
     assert replayed.kv_lens_cpu == (10, 21) and replayed.kv_lens.tolist() == [10, 21]
     assert replayed.out_cache_loc.tolist() == world.req_to_token[[2, 3], [9, 20]].tolist()
     assert world.backend.get_cuda_graph_seq_len_fill_value() == SEQ_LEN_FILL_VALUE == 1
+    # A verify batch of another width under the same key cannot reuse the captured tensors.
+    world.backend.init_forward_metadata_out_graph(make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 5], [2, 2]), in_capture=True)
+    before = world.backend.forward_metadata.positions.clone()
+    with pytest.raises(GraphError, match="shape"):
+        world.backend.init_forward_metadata_out_graph(make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 5], [3, 3]))
+    assert torch.equal(world.backend._captured[(HalMode.TARGET_VERIFY, 2)].positions, before)
 
 
 def test_a_hybrid_pool_is_refused_by_name() -> None:

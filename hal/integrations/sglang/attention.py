@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from hal.errors import CacheLocationError, SpecError, UnsupportedConfigError
+from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import AttentionKernel, KVPool
 from hal.spec import ForwardMode, LayerSpec
@@ -222,8 +223,9 @@ class HalAttnBackend(AttentionBackend):
         if in_capture or static is None:
             self._captured[key] = self.forward_metadata = fresh
             return
-        for name, tensor in static.tensors().items():
-            tensor.copy_(fresh.tensors()[name])
+        new_values = fresh.tensors()
+        # Checks every shape before copying any (a batch that does not fit raises GraphError).
+        GraphUpdate(buffer_copies=tuple((tensor, new_values[name]) for name, tensor in static.tensors().items())).apply_buffer_copies()
         # The device tensors stay the captured ones; the host copies describe the new batch.
         self.forward_metadata = attrs.evolve(
             static,
