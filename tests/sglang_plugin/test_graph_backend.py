@@ -51,3 +51,83 @@ def test_replay_of_a_graph_with_host_arguments_needs_metadata() -> None:
     backend._graphs["bs1"].captured_calls.append((object(), object()))
     with pytest.raises(GraphError, match="no metadata"):
         backend.replay("bs1", static_forward_batch=None)
+
+
+def npu_verify_setup(npu: object) -> tuple:
+    """The backend ``hal`` over an (emulated) Ascend pool and FIA kernel, a verify layer, and
+    ForwardBatch makers. SGLang's pool object stays on the CPU; the kernels read the NPU pool."""
+    from hal.integrations.sglang.attention import HalAttnBackend
+    from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    page, ctx, d = 16, 64, 128
+    sgl_pool = HalMHATokenToKVPool(
+        size=512, page_size=page, dtype=torch.bfloat16, head_num=2, head_dim=d, layer_num=1, device="cpu",
+        enable_memory_saver=False, v_head_dim=d,
+    )
+    req_to_token = torch.zeros((4, ctx), dtype=torch.int32)
+    for r in range(4):  # request r on pages 4r+1 .. 4r+4
+        req_to_token[r] = torch.arange(ctx) + (4 * r + 1) * page
+    runner = types.SimpleNamespace(
+        device="cpu", req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=sgl_pool,
+        model_config=types.SimpleNamespace(context_len=ctx),
+    )
+    attn = HalAttnBackend(runner)
+    attn.pool = npu.create_kv_pool(attn.pool.spec)
+    attn.kernel = npu.create_attention(attn.pool)
+    gen = torch.Generator().manual_seed(0)
+    full = req_to_token[:, :ctx].reshape(-1).long()
+    attn.pool.set_kv(0, full, torch.randn((len(full), 2, d), generator=gen).bfloat16(), torch.randn((len(full), 2, d), generator=gen).bfloat16())
+    layer = RadixAttention(num_heads=4, head_dim=d, scaling=d**-0.5, num_kv_heads=2, layer_id=0, v_head_dim=d)
+
+    def verify_batch(prefix: list[int], n: int = 2) -> ForwardBatch:
+        loc = torch.cat([req_to_token[r, p : p + n].long() for r, p in enumerate(prefix)])
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(prefix), input_ids=torch.zeros(len(loc), dtype=torch.long),
+            req_pool_indices=torch.arange(len(prefix)), seq_lens=torch.tensor(prefix), out_cache_loc=loc, seq_lens_sum=sum(prefix),
+        )
+        fb.seq_lens_cpu = torch.tensor(prefix)
+        fb.spec_info = types.SimpleNamespace(topk=1, num_tokens_per_req=n, draft_token_num=n)
+        return fb
+
+    def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn((rows, h * d), generator=gen).bfloat16() for h in (4, 2, 2))
+
+    return attn, layer, verify_batch, inputs
+
+
+def test_npu_graph_replays_take_the_new_batchs_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capture a verify step on the emulated Ascend backend, replay it for a batch with other
+    lengths: the same output as the eager forward, because the replay hands FIA the new
+    ``actual_seq_kvlen``. Without that hand-over the replay attends over the captured lengths."""
+    import hal
+    from hal.backends.npu import emulator
+    from hal.backends.npu.attention import NpuAttention
+
+    with emulator.emulated():
+        npu = hal.get_backend("npu", emulate=True)
+        attn, layer, verify_batch, inputs = npu_verify_setup(npu)
+        graphs = HalGraphBackend(types.SimpleNamespace(model_runner=types.SimpleNamespace(device="npu", attn_backend=attn)))
+        static = inputs(4)
+        captured_batch = verify_batch([10, 20])
+        attn.init_forward_metadata_out_graph(captured_batch, in_capture=True)
+        with graphs.capture_session(stream=None):
+            graphs.capture_one("verify-2", lambda: attn.forward_extend(*static, layer, captured_batch))
+        assert graphs._graphs["verify-2"].captured_calls  # FIA recorded its host-side lengths
+
+        def replay(prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            new = inputs(4)
+            batch = verify_batch(prefix)
+            attn.init_forward_metadata_out_graph(batch)
+            for buffer, value in zip(static, new):
+                buffer.copy_(value)
+            out = graphs.replay("verify-2", static_forward_batch=None).clone()
+            attn.init_forward_metadata(batch)
+            return out, attn.forward_extend(*new, layer, batch)
+
+        out, eager = replay([37, 5])
+        assert torch.equal(out, eager)
+        monkeypatch.setattr(NpuAttention, "updatable_params", lambda self, metadata, layer: {})
+        stale, eager = replay([41, 9])
+        assert (stale.float() - eager.float()).abs().max() > 0.1

@@ -25,7 +25,7 @@ _HAL_POOL_ATTR = "_hal_kv_pool"
 
 def hal_backend_for(device: str | torch.device) -> hal.Backend:
     """hal's backend for an SGLang device string (``"cpu"``, ``"cuda"``, ``"npu:1"``, ...)."""
-    return hal.get_backend(str(torch.device(device)))
+    return hal.get_backend(str(device))  # hal parses the string: torch may not know "npu" yet
 
 
 def hal_pool_spec(sgl_pool: Any) -> KVPoolSpec:
