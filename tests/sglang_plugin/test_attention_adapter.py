@@ -16,7 +16,7 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 
 from hal import ForwardMode as HalMode  # noqa: E402
-from hal.errors import CacheLocationError, GraphError, UnsupportedConfigError  # noqa: E402
+from hal.errors import CacheLocationError, GraphError, SpecError, UnsupportedConfigError  # noqa: E402
 from hal.integrations.sglang.attention import HalAttnBackend, SEQ_LEN_FILL_VALUE, page_table_from_req_to_token  # noqa: E402
 from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
@@ -200,6 +200,14 @@ def test_a_hybrid_pool_is_refused_by_name() -> None:
     hybrid = SWAKVPool.__new__(SWAKVPool)  # its type is what is refused, before any attribute is read
     with pytest.raises(UnsupportedConfigError, match="SWAKVPool: hal stores SGLang's MHATokenToKVPool"):
         store_in_hal_pool(hybrid)
+
+
+def test_out_cache_loc_of_the_wrong_length_is_refused() -> None:
+    world = World(HalMHATokenToKVPool, seed=6)
+    fb = make_batch(ForwardMode.DECODE, world, [0, 1], [4, 7], [1, 1])
+    fb.out_cache_loc = torch.cat([fb.out_cache_loc, torch.tensor([PAGE * 9])])
+    with pytest.raises(SpecError, match=r"out_cache_loc has shape \(3,\), expected \(2,\)"):
+        world.backend.init_forward_metadata(fb)
 
 
 def test_tree_verify_is_refused() -> None:

@@ -151,7 +151,7 @@ def metadata_from_forward_batch(
         kv_lens=kv_lens,
         q_lens=q_lens,
         page_table=page_table,
-        out_cache_loc=forward_batch.out_cache_loc[: sum(q_lens)],
+        out_cache_loc=forward_batch.out_cache_loc,
         pool=pool,
         max_pages=max_pages,
     )
