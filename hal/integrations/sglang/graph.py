@@ -24,6 +24,7 @@ class HalGraphBackend(BaseCudaGraphBackend):
     """
 
     def __init__(self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, reuse_output_buffer: bool = False) -> None:
+        # reuse_output_buffer is a memory saving only: each hal graph keeps its own static outputs.
         if enable_memory_saver:
             raise UnsupportedConfigError("hal's graph backend: --enable-memory-saver is not supported")
         self._runner = cuda_graph_runner

@@ -10,8 +10,8 @@ for ``auto`` (``HAL_SGLANG_DEVICE`` overrides), looked up by device type in one 
 from __future__ import annotations
 
 import importlib
-from typing import Any
 import os
+from typing import Any
 
 import hal
 from hal.errors import UnsupportedConfigError
@@ -54,7 +54,7 @@ class HalPlatform(_IN_TREE):  # type: ignore[misc]
 
     def is_out_of_tree(self) -> bool:
         # SGLang consults the graph-backend and speculative-runner hooks of out-of-tree platforms
-        # only; the device identity (is_cpu(), is_npu(), ...) stays the in-tree platform's.
+        # only; what the device is stays as the in-tree base class answers it.
         return True
 
     def get_default_attention_backend(self) -> str:
