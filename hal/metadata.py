@@ -235,7 +235,7 @@ def build_metadata(
     _check_request_lengths("build_metadata", q, kv)  # before any tensor op trips on a bad length
     if isinstance(page_table, (str, bytes)) or not isinstance(page_table, (Sequence, torch.Tensor)):
         raise SpecError(f"build_metadata: page_table must be a sequence of page lists, got {type(page_table).__name__}")
-    rows = [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
+    rows = _page_rows(page_table)
     if len(rows) != len(kv):
         raise SpecError(f"build_metadata: page_table has {len(rows)} rows for {len(kv)} requests")
     # A negative page id would silently wrap when a kernel indexes the pool.
@@ -301,6 +301,15 @@ def build_metadata(
     if pool is not None:
         metadata.check_against(pool)
     return metadata
+
+
+def _page_rows(page_table: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int]]:
+    """Each request's page ids as a list of ints. A 2-D integer tensor converts in one ``tolist``
+    (its dtype checked once); anything else goes element by element through ``strict_ints``."""
+    if isinstance(page_table, torch.Tensor) and page_table.dim() == 2 and len(page_table):
+        strict_ints(page_table[:0], "build_metadata: page_table[0]")  # the dtype check, no elements
+        return page_table.tolist()  # type: ignore[no-any-return]
+    return [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
 
 
 def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -222,7 +222,7 @@ def test_rows_that_are_not_whole_pages_are_refused() -> None:
     rows = (torch.tensor([[8, 9, 10, 11, 20, 22, 21, 23]]))
     with pytest.raises(CacheLocationError, match="position 5 at slot 22"):
         page_table_from_req_to_token(rows, [8], 4)
-    assert page_table_from_req_to_token(rows[:, :5], [5], 4) == [[2, 5]]
+    assert page_table_from_req_to_token(rows[:, :5], [5], 4).tolist() == [[2, 5]]
 
 
 def test_a_bad_slot_is_refused_before_anything_is_written() -> None:

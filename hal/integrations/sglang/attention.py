@@ -113,27 +113,28 @@ def request_lengths(forward_batch: Any) -> tuple[list[int], list[int]]:
     return q, seq_lens
 
 
-def page_table_from_req_to_token(rows: torch.Tensor, kv_lens: list[int], page_size: int) -> list[list[int]]:
-    """hal page lists from SGLang ``req_to_token`` rows (host tensor ``[B, >= max kv_len]``).
+def page_table_from_req_to_token(rows: torch.Tensor, kv_lens: list[int], page_size: int) -> torch.Tensor:
+    """hal's page table ``[B, pages of the longest request]`` from SGLang ``req_to_token`` rows
+    (host tensor ``[B, >= max kv_len]``); columns past a request's own pages are 0.
 
     Raises ``CacheLocationError`` if a row's slots are not whole pages in order (slot of position
     ``p`` = page ``p // page_size`` times the page size plus ``p % page_size``): a page table could
     not describe them and a kernel would read the wrong keys.
     """
-    tables: list[list[int]] = []
-    for i, n in enumerate(kv_lens):
-        slots = rows[i, :n].long()
-        pages = slots[::page_size] // page_size
-        if page_size > 1 and n:
-            expect = (pages.repeat_interleave(page_size)[:n] * page_size) + torch.arange(n) % page_size
-            if not torch.equal(expect, slots):
-                first = int((expect != slots).nonzero()[0])
-                raise CacheLocationError(
-                    f"attention backend 'hal': request {i} keeps position {first} at slot {int(slots[first])}, "
-                    f"which is not offset {first % page_size} of the page holding position {first - first % page_size}"
-                )
-        tables.append(pages.tolist())
-    return tables
+    width = max(kv_lens, default=0)
+    slots = rows[:, :width].long()
+    pages = slots[:, ::page_size] // page_size
+    used = torch.arange(width) < torch.tensor(kv_lens, dtype=torch.long).unsqueeze(1)  # [B, width]
+    if page_size > 1 and width:
+        expect = pages.repeat_interleave(page_size, dim=1)[:, :width] * page_size + torch.arange(width) % page_size
+        wrong = (expect != slots) & used
+        if bool(wrong.any()):
+            i, first = (int(x) for x in wrong.nonzero()[0])
+            raise CacheLocationError(
+                f"attention backend 'hal': request {i} keeps position {first} at slot {int(slots[i, first])}, "
+                f"which is not offset {first % page_size} of the page holding position {first - first % page_size}"
+            )
+    return pages * used[:, ::page_size]
 
 
 def metadata_from_forward_batch(
