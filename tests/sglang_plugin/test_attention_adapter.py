@@ -210,11 +210,79 @@ def test_out_cache_loc_of_the_wrong_length_is_refused() -> None:
         world.backend.init_forward_metadata(fb)
 
 
-def test_tree_verify_is_refused() -> None:
+def ngram_tree_verify(prefix: list[int], n: int) -> object:
+    """SGLang's NGRAM verify input for requests whose draft tree branches: node 0 is the root,
+    nodes 1 and 2 are both its children (siblings), every later node is a child of node 1."""
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+    parent = [-1, 0, 0] + [1] * (n - 3)
+    masks = []
+    for p in prefix:
+        rows = torch.zeros((n, p + n), dtype=torch.bool)
+        rows[:, :p] = True
+        for i in range(n):
+            j = i
+            while j >= 0:
+                rows[i, p + j] = True
+                j = parent[j]
+        masks.append(rows.reshape(-1))
+    bs = len(prefix)
+    return NgramVerifyInput(
+        draft_token=torch.zeros(bs * n, dtype=torch.long), custom_mask=torch.cat(masks),
+        positions=torch.tensor([p + [0, 1, 1, *[2] * (n - 3)][i] for p in prefix for i in range(n)]),
+        retrieve_index=torch.arange(bs * n).view(bs, n), retrieve_next_token=torch.full((bs, n), -1),
+        retrieve_next_sibling=torch.full((bs, n), -1), draft_token_num=n,
+    )
+
+
+def eagle_verify(n: int, topk: int, custom_mask: torch.Tensor) -> object:
+    """SGLang's EAGLE verify input with ``n`` draft tokens per request drafted with ``topk``."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+    return EagleVerifyInput(
+        draft_token=torch.zeros(n, dtype=torch.long), custom_mask=custom_mask, positions=torch.zeros(n, dtype=torch.long),
+        retrieve_index=torch.zeros(1, n, dtype=torch.long), retrieve_next_token=torch.zeros(1, n, dtype=torch.long),
+        retrieve_next_sibling=torch.zeros(1, n, dtype=torch.long), retrieve_cum_len=None, spec_steps=n - 1, topk=topk,
+        draft_token_num=n, capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=0, seq_lens_cpu=None,
+    )
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_an_ngram_tree_verify_is_refused_before_anything_is_written(graph: bool) -> None:
+    """NGRAM's verify trees branch; computing them with a chain's causal mask gives wrong tokens."""
+    world = World(HalMHATokenToKVPool, seed=3)
+    fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0, 2], [5, 9], [4, 4])
+    fb.spec_info = ngram_tree_verify([5, 9], 4)
+    assert not fb.spec_info.custom_mask[: 4 * 9].view(4, 9)[2, 5 + 1]  # node 2 does not see its sibling
+    before = [t.clone() for t in world.pool.k_buffer]
+    with pytest.raises(UnsupportedConfigError, match=r"NGRAM_VERIFY target-verify batch is a tree \(tree_topk=-1\)"):
+        if graph:
+            world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
+            world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        else:
+            world.backend.init_forward_metadata(fb)
+    assert world.backend.forward_metadata is None
+    assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer))
+
+
+def test_an_eagle_tree_is_refused_and_an_eagle_chain_is_served() -> None:
     world = World(HalMHATokenToKVPool, seed=3)
     fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0], [5], [4])
-    fb.spec_info = types.SimpleNamespace(topk=2, num_tokens_per_req=4, draft_token_num=4)
-    with pytest.raises(UnsupportedConfigError, match="topk=2"):
+    fb.spec_info = eagle_verify(4, topk=2, custom_mask=torch.ones(5 * 4 + 16, dtype=torch.bool))
+    with pytest.raises(UnsupportedConfigError, match=r"EAGLE_VERIFY target-verify batch is a tree \(tree_topk=2\)"):
+        world.backend.init_forward_metadata(fb)
+    # A chain carries a custom mask too (all visible, as SGLang's own chain verify builds it).
+    fb.spec_info = eagle_verify(4, topk=1, custom_mask=torch.ones(5 * 4 + 16, dtype=torch.bool))
+    world.backend.init_forward_metadata(fb)
+    assert world.backend.forward_metadata.q_lens_cpu == (4,) and world.backend.forward_metadata.kv_lens_cpu == (9,)
+
+
+def test_a_verify_input_that_does_not_say_its_shape_is_refused() -> None:
+    world = World(HalMHATokenToKVPool, seed=3)
+    fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0], [5], [4])
+    fb.spec_info = types.SimpleNamespace(num_tokens_per_req=4, draft_token_num=4)
+    with pytest.raises(UnsupportedConfigError, match="does not say its tree's branching"):
         world.backend.init_forward_metadata(fb)
 
 

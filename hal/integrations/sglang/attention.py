@@ -18,8 +18,9 @@ DRAFT_EXTEND_V2     ``extend_seq_lens``, else      ``seq_lens`` (they count the 
                     ``num_tokens_per_req``
 ==================  ============================  ==========================================
 
-Target-verify batches must be chains (``topk == 1``): hal masks every mode bottom-right causal,
-which is a chain's mask; a tree's custom mask is refused, not ignored.
+Target-verify batches must be chains (the verify input's ``tree_topk == 1``): hal masks every mode
+bottom-right causal, which is a chain's mask; a tree (EAGLE with ``topk > 1``, NGRAM's irregular
+trees) is refused before anything is written, not computed as a chain.
 """
 
 from __future__ import annotations
@@ -61,21 +62,40 @@ def hal_mode(mode: Any) -> ForwardMode:
 
 
 def tokens_per_request(forward_batch: Any) -> int:
-    """Query rows per request of a speculative batch from its spec_info; a tree (``topk > 1``) is refused."""
+    """Query rows per request of a speculative batch, from its spec_info.
+
+    A TARGET_VERIFY batch is computed as a chain (hal's causal mask) only when SGLang says it is
+    one: its verify input's ``tree_topk`` (or, on inputs without it, ``topk``) is 1. SGLang's own
+    backends take the same signal (an EAGLE chain still carries an all-visible ``custom_mask``).
+    A tree, an irregular tree (``tree_topk == -1``, NGRAM) or an input that does not say is
+    refused with ``UnsupportedConfigError`` naming the algorithm's input type.
+    """
     spec = forward_batch.spec_info
     if spec is None:
         raise SpecError(f"attention backend 'hal': a {forward_batch.forward_mode.name} batch carries no spec_info")
-    topk = getattr(spec, "topk", 1)
-    if topk != 1:
-        raise UnsupportedConfigError(
-            f"attention backend 'hal': speculative topk={topk}; hal verifies chains only (topk=1, a causal mask)"
-        )
+    if forward_batch.forward_mode == SGLangMode.TARGET_VERIFY:
+        check_chain_verify(spec)
     n = getattr(spec, "num_tokens_per_req", 0)
     if not isinstance(n, int) or n <= 0:
         n = getattr(spec, "draft_token_num", 0)
     if not isinstance(n, int) or n <= 0:
         raise SpecError(f"attention backend 'hal': spec_info gives no tokens per request (num_tokens_per_req={n!r})")
     return n
+
+
+def check_chain_verify(spec: Any) -> None:
+    """Raise ``UnsupportedConfigError`` unless the verify input ``spec`` declares a chain (see
+    ``tokens_per_request``)."""
+    kind = getattr(getattr(spec, "spec_input_type", None), "name", type(spec).__name__)
+    topk = getattr(spec, "tree_topk", getattr(spec, "topk", None))
+    if topk == 1:
+        return
+    shape = "does not say its tree's branching (no tree_topk or topk)" if topk is None else f"is a tree (tree_topk={topk})"
+    raise UnsupportedConfigError(
+        f"attention backend 'hal': the {kind} target-verify batch {shape}; hal verifies chains only "
+        "(tree_topk=1: EAGLE, STANDALONE or MULTI_LAYER_EAGLE with speculative_eagle_topk=1), "
+        "a tree's custom mask is not computed"
+    )
 
 
 def _host_ints(values: Any, what: str) -> list[int]:
