@@ -84,7 +84,7 @@ class KVAllocator:
         pages = self.full.alloc(n)
         if self.swa is not None and n:
             swa_pages = self.swa.alloc(n)
-            self.pool.map_swa_pages(torch.tensor(pages), torch.tensor(swa_pages))  # type: ignore[attr-defined]
+            self.pool.map_swa_pages(torch.tensor(pages), torch.tensor(swa_pages))
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
@@ -96,7 +96,7 @@ class KVAllocator:
             self.full.free(pages)  # validates first: the mapping lookup below needs allocated pages
             mapping = self.pool.full_to_swa_page  # type: ignore[attr-defined]
             swa_pages = mapping[torch.tensor(pages, device=mapping.device)].tolist()
-            self.pool.unmap_swa_pages(torch.tensor(pages))  # type: ignore[attr-defined]
+            self.pool.unmap_swa_pages(torch.tensor(pages))
             self.swa.free(swa_pages)
         else:
             self.full.free(pages)

@@ -77,6 +77,14 @@ class KVPool(Protocol):
         """A full-pool block table translated to SWA sub-pool pages (page 0 stays 0)."""
         ...
 
+    def map_swa_pages(self, full_pages: torch.Tensor, swa_pages: torch.Tensor) -> None:
+        """Back full pages ``1..num_pages`` with SWA pages ``1..swa_num_pages`` (an allocator's job)."""
+        ...
+
+    def unmap_swa_pages(self, full_pages: torch.Tensor) -> None:
+        """Drop the SWA backing of full pages: reads through them see the padding page."""
+        ...
+
     def check_slots(self, loc: torch.Tensor, where: str, *, swa: bool | None = None) -> None:
         """Host-side: raise ``CacheLocationError`` for a slot outside the pool (or, on a hybrid pool,
         in a page with no SWA page behind it); ``where`` starts the message."""

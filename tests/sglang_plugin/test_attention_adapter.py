@@ -193,15 +193,6 @@ def test_graph_metadata_keeps_its_tensors_and_takes_new_values() -> None:
     assert torch.equal(world.backend._captured[(HalMode.TARGET_VERIFY, 2)].positions, before)
 
 
-def test_a_hybrid_pool_is_refused_by_name() -> None:
-    from hal.integrations.sglang.kv_pool import store_in_hal_pool
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    hybrid = SWAKVPool.__new__(SWAKVPool)  # its type is what is refused, before any attribute is read
-    with pytest.raises(UnsupportedConfigError, match="SWAKVPool: hal stores SGLang's MHATokenToKVPool"):
-        store_in_hal_pool(hybrid)
-
-
 def test_out_cache_loc_of_the_wrong_length_is_refused() -> None:
     world = World(HalMHATokenToKVPool, seed=6)
     fb = make_batch(ForwardMode.DECODE, world, [0, 1], [4, 7], [1, 1])

@@ -35,7 +35,7 @@ from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import AttentionKernel, KVPool
 from hal.spec import ForwardMode, LayerSpec
-from hal.integrations.sglang.kv_pool import hal_backend_for, store_in_hal_pool
+from hal.integrations.sglang.kv_pool import hal_backend_for, mirror_swa_pages, store_in_hal_pool
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangMode
@@ -158,15 +158,27 @@ def page_table_from_req_to_token(rows: torch.Tensor, kv_lens: list[int], page_si
 
 
 def metadata_from_forward_batch(
-    forward_batch: Any, req_to_token: torch.Tensor, pool: KVPool, *, max_pages: int | None = None
+    forward_batch: Any,
+    req_to_token: torch.Tensor,
+    pool: KVPool,
+    *,
+    max_pages: int | None = None,
+    swa_pool: Any = None,
+    window: int | None = None,
 ) -> AttentionMetadata:
-    """hal ``AttentionMetadata`` for an SGLang ``ForwardBatch`` over ``pool``."""
+    """hal ``AttentionMetadata`` for an SGLang ``ForwardBatch`` over ``pool``.
+
+    ``swa_pool``: the SGLang ``SWAKVPool`` whose storage ``pool`` is; its full-to-SWA mapping is
+    mirrored into ``pool`` for this batch's pages first (``window``: the model's sliding window).
+    """
     mode = hal_mode(forward_batch.forward_mode)
     q_lens, kv_lens = request_lengths(forward_batch)
     ps = pool.spec.page_size
     width = max(kv_lens, default=0)
     rows = req_to_token[forward_batch.req_pool_indices.long(), :width].cpu() if kv_lens else torch.zeros(0, 0)
     page_table = page_table_from_req_to_token(rows, kv_lens, ps)
+    if swa_pool is not None:
+        mirror_swa_pages(swa_pool, pool, rows, kv_lens, q_lens, window)
     return build_metadata(
         mode,
         kv_lens=kv_lens,
@@ -214,6 +226,9 @@ class HalAttnBackend(AttentionBackend):
         self.pool: KVPool = store_in_hal_pool(self.sgl_pool)
         self.kernel: AttentionKernel = hal_backend_for(self.pool.device).create_attention(self.pool)
         self.start_layer = self.sgl_pool.start_layer
+        # A hybrid pool: SGLang's SWAKVPool, whose slot mapping each forward mirrors into hal's pool.
+        self._swa_pool = self.sgl_pool if self.pool.spec.swa is not None else None
+        self._window: int | None = getattr(model_runner, "sliding_window_size", None)
         context_len = model_runner.model_config.context_len
         self._graph_max_pages = -(-context_len // self.pool.spec.page_size)
         # The metadata each captured graph reads, at fixed addresses, by (mode, batch size).
@@ -222,12 +237,17 @@ class HalAttnBackend(AttentionBackend):
         self.forward_metadata: AttentionMetadata | None = None
 
     # -- metadata ----------------------------------------------------------------------------
+    def _metadata(self, forward_batch: Any, max_pages: int | None = None) -> AttentionMetadata:
+        return metadata_from_forward_batch(
+            forward_batch, self.req_to_token, self.pool, max_pages=max_pages, swa_pool=self._swa_pool, window=self._window
+        )
+
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager forward: metadata built from the batch as it is."""
         if forward_batch.forward_mode.is_idle():
             self.forward_metadata = None
             return
-        self.forward_metadata = metadata_from_forward_batch(forward_batch, self.req_to_token, self.pool)
+        self.forward_metadata = self._metadata(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Graphs capture metadata with block tables as wide as the context length."""
@@ -238,7 +258,7 @@ class HalAttnBackend(AttentionBackend):
         values copied into that metadata's tensors (same shapes, same addresses)."""
         if forward_batch.forward_mode.is_idle():
             return
-        fresh = metadata_from_forward_batch(forward_batch, self.req_to_token, self.pool, max_pages=self._graph_max_pages)
+        fresh = self._metadata(forward_batch, max_pages=self._graph_max_pages)
         key = (fresh.mode, fresh.batch_size)
         static = self._captured.get(key)
         if in_capture or static is None:
