@@ -154,6 +154,35 @@ class MiMoConfig:
             return tp.shard(kv, "num_key_value_heads")
         return tp.rank // (tp.size // kv), 1  # replicated: ranks that share a kv head hold the same one
 
+    def published_dict(self) -> dict[str, Any]:
+        """This config as config.json in the published key names (what SGLang's ``models/mimo_v2.py``
+        reads); ``from_dict`` of it gives this config back (MTP layers as ``num_nextn_predict_layers``)."""
+        if self.full.partial_rotary_factor != self.swa.partial_rotary_factor:
+            raise CheckpointError(
+                f"config.json: the published form has one partial_rotary_factor, got {self.full.partial_rotary_factor} "
+                f"(full) and {self.swa.partial_rotary_factor} (sliding-window)"
+            )
+        moe = bool(self.n_routed_experts)
+        return {
+            "architectures": ["MiMoV2FlashForCausalLM"], "model_type": MODEL_TYPE, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "hybrid_layer_pattern": [int(swa) for swa in self.layer_is_swa], "moe_layer_freq": [int(m) for m in self.layer_is_moe],
+            "num_attention_heads": self.full.num_q_heads, "num_key_value_heads": self.full.num_kv_heads,
+            "head_dim": self.full.head_dim, "v_head_dim": self.full.v_head_dim,
+            "swa_num_attention_heads": self.swa.num_q_heads, "swa_num_key_value_heads": self.swa.num_kv_heads,
+            "swa_head_dim": self.swa.head_dim, "swa_v_head_dim": self.swa.v_head_dim, "sliding_window_size": self.sliding_window,
+            "add_full_attention_sink_bias": self.full.has_sinks, "add_swa_attention_sink_bias": self.swa.has_sinks,
+            "attention_value_scale": self.attention_value_scale, "rope_theta": self.full.rope_theta,
+            "swa_rope_theta": self.swa.rope_theta, "partial_rotary_factor": self.full.partial_rotary_factor,
+            "layernorm_epsilon": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "eos_token_id": self.eos_token_id,
+            "num_nextn_predict_layers": self.num_mtp_layers, "hidden_act": "silu", "attention_bias": False,
+            "n_routed_experts": self.n_routed_experts if moe else None, "num_experts_per_tok": self.num_experts_per_tok if moe else None,
+            "moe_intermediate_size": self.moe_intermediate_size if moe else None, "n_group": self.n_group,
+            "topk_group": self.topk_group, "norm_topk_prob": self.norm_topk_prob, "routed_scaling_factor": self.routed_scaling_factor,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_shared_experts": None,
+        }  # fmt: skip
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], *, num_mtp_layers: int | None = None) -> MiMoConfig:
         """Either form of config.json; ``num_mtp_layers`` overrides the count the config gives (or 0)."""

@@ -83,6 +83,10 @@ def test_transformers_and_published_forms_give_one_config(tmp_path: Path) -> Non
         "routed_scaling_factor": 1.5, "n_shared_experts": None, "tie_word_embeddings": False, "max_position_embeddings": 512,
     }  # fmt: skip
     assert MiMoConfig.from_dict(published) == from_transformers
+    # ... and hal writes that published form back, key for key (what SGLang's MiMo reads)
+    written = from_transformers.published_dict()
+    assert {k: written[k] for k in published} == published
+    assert MiMoConfig.from_dict(written) == from_transformers
     # hal's W: transformers' sliding_window w keeps w keys (p - w + 1 .. p); published S keeps S + 1
     assert from_transformers.sliding_window == 4 == published["sliding_window_size"] == raw["sliding_window"] - 1
     assert from_transformers.swa.num_kv_heads == 2 and from_transformers.full.num_kv_heads == 1

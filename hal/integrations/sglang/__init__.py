@@ -47,7 +47,13 @@ SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
     ),
     "sglang.srt.model_executor.model_runner": (
         "ModelRunner.device", "ModelRunner.req_to_token_pool", "ModelRunner.token_to_kv_pool", "ModelRunner.model_config",
+        "ModelRunner.sliding_window_size",
     ),
+    "sglang.srt.mem_cache.swa_memory_pool": (
+        "SWAKVPool.full_kv_pool", "SWAKVPool.swa_kv_pool", "SWAKVPool.layers_mapping", "SWAKVPool.full_to_swa_index_mapping",
+        "SWAKVPool.swa_req_ring_size", "SWAKVPool.layer_num", "SWAKVPool.page_size", "SWAKVPool.start_layer",
+    ),
+    "sglang.srt.mem_cache.unified_memory_pool": ("UnifiedSWAKVPool",),
     "sglang.srt.mem_cache.memory_pool": (
         "ReqToTokenPool.req_to_token", "MHATokenToKVPool._create_buffers", "MHATokenToKVPool._build_kv_buffer_descs",
         "MHATokenToKVPool._init_data_ptrs_and_strides", "MHATokenToKVPool.k_buffer", "MHATokenToKVPool.v_buffer",
