@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from hal.errors import SpecError
+
 # Tiles of one group are attended together; a group's gathered fp32 K/V stays about this size, so
 # the gathered copy stays in cache for the matmuls that read it (up to 1.4x faster than one
 # batch-wide gather at decode sizes) and transient memory stays bounded however large the batch.
@@ -54,7 +56,7 @@ class TileGroup:
     rows: int
     pages: int
     page_ids: torch.Tensor  # [tiles * pages] pages to gather, in key order per tile
-    blocked: torch.Tensor  # [tiles, 1, 1, rows, pages * page_size] bool: key hidden from the row
+    blocked: torch.Tensor  # [tiles, 1, 1, rows, pages * page_size] bool: key hidden from the row (unused by a causal square)
     # Packed q rows read by the tile rows: a slice when the group is a contiguous run of whole
     # tiles, else an index (padding rows read row 0).
     q_rows: slice | torch.Tensor
@@ -62,6 +64,9 @@ class TileGroup:
     # into the output with one extra row that padding rows write to.
     out_rows: torch.Tensor | None
     zero_rows: torch.Tensor | None  # [tiles, 1, 1, rows, 1] bool: rows that see no key (output 0), or None
+    # A whole prompt with no cached prefix on a full layer: its one tile is the causal square of
+    # this many rows and keys, attended with a causal kernel that skips the hidden half (0: not one).
+    causal_square: int = 0
 
 
 @attrs.frozen(eq=False)
@@ -80,19 +85,27 @@ def plan_attention(
     sliding_window: int | None,
     token_bytes: int,
     chunk_bytes: int | None = None,
+    fused: bool = False,
 ) -> AttentionPlan:
     """Lay out attention for requests with these host-side lengths over ``block_table``'s pages.
 
     ``token_bytes`` is the fp32 K+V size of one cached token (sizes the groups against
     ``chunk_bytes``, default ``GATHER_CHUNK_BYTES``). Query row ``i`` of request ``b`` sits at
     position ``kv_lens[b] - q_lens[b] + i`` and sees keys ``j <= p`` (and ``j >= p - W``).
+    ``fused``: the layers attend without sinks (torch's fused attention, no score tensor), so a
+    prompt with no cached prefix on a full layer is one causal square rather than row tiles.
     """
     budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     ps = page_size
     # tiles as (request, first packed row, rows, first position, first page, pages)
     tiles: list[tuple[int, int, int, int, int, int]] = []
+    squares: list[TileGroup] = []
     row = 0
     for b, (kv, q) in enumerate(zip(kv_lens, q_lens)):
+        if fused and sliding_window is None and q == kv > EXTEND_TILE_ROWS:
+            squares.append(_causal_square(b, row, kv, block_table, ps))
+            row += q
+            continue
         step = min(max(q, 1), EXTEND_TILE_ROWS)
         for first in range(0, q, step):
             n = min(step, q - first)
@@ -102,6 +115,10 @@ def plan_attention(
             page_lo = lo // ps
             tiles.append((b, row + first, n, pos, page_lo, max(0, -(-hi // ps) - page_lo)))
         row += q
+    if len(tiles) > len(kv_lens):
+        # Prompts cut into tiles: on full layers later tiles read more keys. Grouping tiles of
+        # similar width pads each to fewer keys (about half the work of causal prefill).
+        tiles.sort(key=lambda tile: tile[5])
     groups = []
     start = 0
     while start < len(tiles):
@@ -111,7 +128,16 @@ def plan_attention(
             end += 1
         groups.append(_group(tiles[start:end], max(widest, 1), tallest, row, kv_lens, block_table, ps, sliding_window))
         start = end
-    return AttentionPlan(tuple(groups))
+    return AttentionPlan(tuple(groups + squares))
+
+
+def _causal_square(request: int, first_row: int, kv: int, block_table: torch.Tensor, ps: int) -> TileGroup:
+    """The group of one prompt with no cached prefix: rows and keys ``0 .. kv - 1``, causal (no mask
+    tensor: the kernel applies the causal rule itself)."""
+    pages = -(-kv // ps)
+    page_ids = block_table[request, :pages].reshape(-1).long()
+    none = torch.zeros((1, 1, 1, 1, 1), dtype=torch.bool, device=block_table.device)
+    return TileGroup(1, kv, pages, page_ids, none, slice(first_row, first_row + kv), None, None, causal_square=kv)
 
 
 def _group(
@@ -247,17 +273,31 @@ def _attend_group(
     qt = qt.float() * scaling  # [n * rows, Hq, Dk]
     keys = _gather_pages(k_cache, group.page_ids, workspace, "k").view(n, keys_per_tile, hkv, dk)
     values = _gather_pages(v_cache, group.page_ids, workspace, "v").view(n, keys_per_tile, hkv, dv)
-    # [n, Hkv, G * rows, Dk]: a tile's query heads of one kv head ride as extra query rows.
-    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
-    scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, keys_per_tile)
-    scores.masked_fill_(group.blocked, float("-inf"))
-    if sinks is None:
-        weights = torch.softmax(scores, -1)
-    else:  # the sink is one more logit in each row's softmax, with no value
+    if group.causal_square:
+        if sinks is not None:
+            raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
+        k, v = keys[:, : group.causal_square], values[:, : group.causal_square]
+        ctx = torch.nn.functional.scaled_dot_product_attention(
+            qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=1.0,
+            enable_gqa=g > 1,
+        ).view(n, hkv, g, rows, dv)
+    elif sinks is None:
+        # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompts).
+        # GQA as hal defines it: query head h reads kv head h // G.
+        ctx = torch.nn.functional.scaled_dot_product_attention(
+            qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=group.blocked.view(n, 1, rows, keys_per_tile).logical_not(), scale=1.0, enable_gqa=g > 1,
+        ).view(n, hkv, g, rows, dv)
+    else:
+        # [n, Hkv, G * rows, Dk]: a tile's query heads of one kv head ride as extra query rows.
+        qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
+        scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, keys_per_tile)
+        scores.masked_fill_(group.blocked, float("-inf"))
+        # the sink is one more logit in each row's softmax, with no value
         sink = sinks.float().view(1, hkv, g, 1, 1).expand(n, hkv, g, rows, 1)
         weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
-    ctx = _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, keys_per_tile), values.permute(0, 2, 1, 3))
-    ctx = ctx.view(n, hkv, g, rows, dv)
+        ctx = _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, keys_per_tile), values.permute(0, 2, 1, 3))
+        ctx = ctx.view(n, hkv, g, rows, dv)
     if group.zero_rows is not None:
         ctx = ctx.masked_fill(group.zero_rows, 0.0)
     return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hq, dv)

@@ -235,6 +235,31 @@ def test_prefill_cut_into_tiles_matches_dense_oracle(window, sinks, hybrid, chun
     assert_close(out, expect, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_without_a_prefix_are_causal_squares_and_match_dense_oracle(dtype, monkeypatch) -> None:
+    """Without sinks on a full layer, a prompt with no cached prefix is attended as one causal
+    square (torch's causal kernel); prompts after a prefix still go by row tiles."""
+    monkeypatch.setattr(reference_attention, "EXTEND_TILE_ROWS", 3)
+    kv_lens, q_lens = [13, 10, 9, 2], [13, 4, 9, 2]
+    plan = reference_attention.plan_attention(kv_lens, q_lens, torch.zeros(4, 4, dtype=torch.int32), 4, sliding_window=None,
+                                              token_bytes=64, fused=True)
+    assert sorted(g.causal_square for g in plan.groups if g.causal_square) == [9, 13]
+    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5)
+    out, expect = run_reference(M.EXTEND, layer, kv_lens, q_lens, page_size=4, dtype=dtype, seed=9)
+    assert_close(out, expect, dtype)
+
+
+def test_a_causal_square_refuses_sinks() -> None:
+    from hal.errors import SpecError
+
+    plan = reference_attention.plan_attention([200], [200], torch.arange(1, 51, dtype=torch.int32).view(1, 50), 4,
+                                              sliding_window=None, token_bytes=64, fused=True)
+    cache = torch.zeros(51, 4, 1, 8)
+    with pytest.raises(SpecError, match="take no sinks"):
+        paged_attention(torch.zeros(200, 2, 8), cache, cache, torch.zeros(1, 50, dtype=torch.int32), torch.tensor([200]),
+                        torch.tensor([0, 200]), scaling=1.0, sinks=torch.zeros(2), plan=plan)
+
+
 @pytest.mark.parametrize("kv_len", [64, 1024, 16384])
 def test_sliding_window_tiles_gather_only_the_window_pages(kv_len) -> None:
     """A window layer's decode and verify tiles read the pages of the last W + rows positions,

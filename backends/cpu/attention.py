@@ -34,12 +34,13 @@ class CpuAttention(AttentionKernelBase):
     ) -> torch.Tensor:
         table = self.block_table(layer, metadata)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
-        key = ("reference-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv))
+        fused = sinks is None  # torch's fused attention takes no sink logit
+        key = ("reference-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
 
         def plan() -> Any:
             kv_lens, q_lens = metadata.host_lengths()
             return plan_attention(kv_lens, q_lens, table, metadata.page_size, sliding_window=layer.sliding_window,
-                                  token_bytes=heads * (dk + dv) * 4)
+                                  token_bytes=heads * (dk + dv) * 4, fused=fused)
 
         # Layers of one kind share the plan: index tensors and masks are built once per forward.
         return self._paged(paged_attention, q, layer, metadata, sinks, workspace=self.workspace,

@@ -1,0 +1,95 @@
+"""hal's attention backend against SGLang's own ``torch_native`` inside ``sglang.Engine``, one run.
+
+    PYTHONPATH=tests/sglang_plugin/site SGLANG_USE_CPU_ENGINE=1 \\
+        python benchmarks/sglang_speed.py [--prompt-lens 128 900] [--dtypes float32 float16] [--repeats 5]
+
+Both engines serve the same random Llama (saved by transformers) side by side; each timed sample is
+one ``generate`` of ``--batch`` prompts with ``--new-tokens`` greedy tokens, the two backends
+alternating so that machine load hits both alike. The table gives the median of the paired ratios
+(hal tokens/s over torch_native tokens/s), their lowest and highest, and how many of the requests
+got the same greedy tokens from both. Exits 1 if an fp32 row's tokens differ (in fp16 the two
+kernels round differently: hal accumulates in fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_llama(directory: Path) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.3, architectures=["LlamaForCausalLM"],
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sglang
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 900])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    model = Path(tempfile.mkdtemp()) / "llama"
+    make_llama(model)
+    gen = torch.Generator().manual_seed(1)
+    print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} alternating pairs")
+    print("| dtype | prompt | hal tok/s | torch_native tok/s | hal / torch_native (median) | spread | same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    same = True
+    for dtype in args.dtypes:
+        engines = {
+            name: sglang.Engine(
+                model_path=str(model), device="cpu", attention_backend=name, dtype=dtype, skip_tokenizer_init=True,
+                disable_cuda_graph=True, random_seed=0, max_total_tokens=16384, disable_radix_cache=True,
+            )
+            for name in ("hal", "torch_native")
+        }
+        try:
+            for length in args.prompt_lens:
+                prompts = torch.randint(3, 1000, (args.batch, length), generator=gen).tolist()
+                params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+                outputs: dict[str, list[list[int]]] = {}
+                for name, engine in engines.items():  # warm-up
+                    outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+                equal = sum(a == b for a, b in zip(outputs["hal"], outputs["torch_native"]))
+                same &= dtype != "float32" or equal == args.batch
+                rates: dict[str, list[float]] = {"hal": [], "torch_native": []}
+                for i in range(args.repeats):
+                    order = ("hal", "torch_native") if i % 2 == 0 else ("torch_native", "hal")
+                    for name in order:
+                        start = time.perf_counter()
+                        engines[name].generate(input_ids=prompts, sampling_params=params)
+                        rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - start))
+                ratios = [h / n for h, n in zip(rates["hal"], rates["torch_native"])]
+                print(
+                    f"| {dtype} | {length} | {statistics.median(rates['hal']):.1f} | {statistics.median(rates['torch_native']):.1f} "
+                    f"| {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} | {equal}/{args.batch} |",
+                    flush=True,
+                )
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
+    if not same:
+        print("hal's fp32 tokens differ from torch_native's", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
