@@ -177,10 +177,12 @@ class MiMoConfig:
             "layernorm_epsilon": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "eos_token_id": self.eos_token_id,
             "num_nextn_predict_layers": self.num_mtp_layers, "hidden_act": "silu", "attention_bias": False,
-            "n_routed_experts": self.n_routed_experts if moe else None, "num_experts_per_tok": self.num_experts_per_tok if moe else None,
-            "moe_intermediate_size": self.moe_intermediate_size if moe else None, "n_group": self.n_group,
-            "topk_group": self.topk_group, "norm_topk_prob": self.norm_topk_prob, "routed_scaling_factor": self.routed_scaling_factor,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_shared_experts": None,
+            "n_group": self.n_group, "topk_group": self.topk_group, "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "n_shared_experts": None,
+            # a dense model names no experts (transformers' defaults fill them)
+            **({"n_routed_experts": self.n_routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size} if moe else {}),
         }  # fmt: skip
 
     @classmethod

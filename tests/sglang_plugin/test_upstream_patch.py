@@ -1,6 +1,9 @@
-"""The upstream patch SGLang needs for a platform to supply the multi-layer EAGLE draft-extend
-runner (``hal/integrations/sglang/patches/``): it applies cleanly to the pinned SGLang source, and
-the patched worker asks the platform where the unpatched one branches on ``_is_npu``."""
+"""The upstream patches SGLang needs for hal's platform to serve speculative decoding
+(``hal/integrations/sglang/patches/``): each applies cleanly to the pinned SGLang source, and each
+patched file asks the platform where the unpatched one branches on a device or a fixed table.
+
+The pinned source is the installed file, with the patch reversed when ``.ci/sglang`` has already
+applied it to the installed SGLang."""
 
 from __future__ import annotations
 
@@ -15,24 +18,30 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
+import torch  # noqa: E402
+
 import hal.integrations.sglang  # noqa: E402
 
-PATCH = Path(hal.integrations.sglang.__file__).parent / "patches" / "multi_layer_eagle_worker_v2_oot_draft_extend_runner.patch"
-TARGET = "python/sglang/srt/speculative/multi_layer_eagle_worker_v2.py"
+PATCHES = Path(hal.integrations.sglang.__file__).parent / "patches"
+WORKER = ("multi_layer_eagle_worker_v2_oot_draft_extend_runner.patch", "python/sglang/srt/speculative/multi_layer_eagle_worker_v2.py")
+DRAFT_UTILS = ("draft_utils_platform_draft_extend_backend.patch", "python/sglang/srt/speculative/draft_utils.py")
+MIMO_NEXTN = ("mimo_v2_nextn_platform_empty_cache.patch", "python/sglang/srt/models/mimo_v2_nextn.py")
+ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN]
 
 
-@pytest.fixture
-def source_tree(tmp_path: Path) -> Path:
-    """The pinned SGLang file at its place in SGLang's repository layout."""
+def git_apply(tree: Path, patch: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "apply", *args, str(PATCHES / patch)], cwd=tree, capture_output=True, text=True)
+
+
+def pinned_source(tmp_path: Path, patch: str, target: str) -> Path:
+    """A tree holding the pinned SGLang file at its place in SGLang's repository layout."""
     assert sglang.__version__ == hal.integrations.sglang.TESTED_SGLANG_VERSION
-    dest = tmp_path / TARGET
+    dest = tmp_path / target
     dest.parent.mkdir(parents=True)
-    shutil.copy(Path(sglang.__file__).parent / "srt" / "speculative" / "multi_layer_eagle_worker_v2.py", dest)
+    shutil.copy(Path(sglang.__file__).parent.parent / target.removeprefix("python/"), dest)
+    if git_apply(tmp_path, patch, "--reverse", "--check").returncode == 0:  # installed patched
+        assert git_apply(tmp_path, patch, "--reverse").returncode == 0
     return tmp_path
-
-
-def git_apply(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", "apply", *args, str(PATCH)], cwd=tree, capture_output=True, text=True)
 
 
 def load(path: Path, name: str) -> types.ModuleType:
@@ -44,16 +53,33 @@ def load(path: Path, name: str) -> types.ModuleType:
     return module
 
 
+def before_and_after(tmp_path: Path, patch: str, target: str) -> tuple[types.ModuleType, types.ModuleType]:
+    tree = pinned_source(tmp_path, patch, target)
+    before = load(tree / target, f"hal_test_{Path(target).stem}_unpatched")
+    assert git_apply(tree, patch).returncode == 0
+    return before, load(tree / target, f"hal_test_{Path(target).stem}_patched")
+
+
+@pytest.mark.parametrize(("patch", "target"), ALL, ids=[p for p, _ in ALL])
+def test_patch_applies_cleanly(tmp_path: Path, patch: str, target: str) -> None:
+    tree = pinned_source(tmp_path, patch, target)
+    check = git_apply(tree, patch, "--check", "--verbose")
+    assert check.returncode == 0, check.stderr
+    assert git_apply(tree, patch).returncode == 0
+    reverse = git_apply(tree, patch, "--reverse", "--check")
+    assert reverse.returncode == 0, reverse.stderr
+
+
 class _Runner:
     def __init__(self, worker: object) -> None:
         self.worker = worker
 
 
 class _Platform:
-    """An out-of-tree platform that supplies a draft-extend runner and records the question."""
+    """An out-of-tree platform that supplies a draft-extend runner and records the questions."""
 
     def __init__(self) -> None:
-        self.asked: list[tuple[str, str]] = []
+        self.asked: list[tuple[str, ...]] = []
 
     def is_out_of_tree(self) -> bool:
         return True
@@ -61,6 +87,16 @@ class _Platform:
     def get_speculative_graph_runner_cls(self, algorithm: str, phase: str) -> type:
         self.asked.append((algorithm, phase))
         return _Runner
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        self.asked.append((algorithm, backend))
+        return backend == "plugin-backend"
+
+    def empty_cache(self) -> None:
+        self.asked.append(("empty_cache",))
+
+    def synchronize(self) -> None:
+        self.asked.append(("synchronize",))
 
 
 def capture_with(module: types.ModuleType, platform: _Platform) -> object:
@@ -71,7 +107,7 @@ def capture_with(module: types.ModuleType, platform: _Platform) -> object:
     module.check_cuda_graph_backend = lambda *args: False
     module.get_available_gpu_memory = lambda *args: 0.0
     worker = types.SimpleNamespace(
-        speculative_algorithm=types.SimpleNamespace(name="MULTI_LAYER_EAGLE"), device="cpu", gpu_id=0,
+        speculative_algorithm=types.SimpleNamespace(name="EAGLE"), device="cpu", gpu_id=0,
         draft_runner_list=[types.SimpleNamespace(attn_backend=types.SimpleNamespace(
             draft_extend_metadata_captured_in_graph=lambda: False, supports_draft_extend_metadata_staging=False,
         ))],
@@ -82,23 +118,67 @@ def capture_with(module: types.ModuleType, platform: _Platform) -> object:
     return worker.cuda_graph_runner_for_draft_extend
 
 
-def test_patch_applies_cleanly(source_tree: Path) -> None:
-    check = git_apply(source_tree, "--check", "--verbose")
-    assert check.returncode == 0, check.stderr
-    assert git_apply(source_tree).returncode == 0
-    reverse = git_apply(source_tree, "--reverse", "--check")
-    assert reverse.returncode == 0, reverse.stderr
-
-
-def test_patched_worker_takes_the_platforms_runner(source_tree: Path) -> None:
-    unpatched = load(source_tree / TARGET, "hal_test_mlew_unpatched")
+def test_patched_worker_takes_the_platforms_runner(tmp_path: Path) -> None:
+    unpatched, patched = before_and_after(tmp_path, *WORKER)
     platform = _Platform()
     assert capture_with(unpatched, platform) == "built-in runner"
     assert platform.asked == []  # upstream never asks the platform: hence the patch
-
-    assert git_apply(source_tree).returncode == 0
-    patched = load(source_tree / TARGET, "hal_test_mlew_patched")
     platform = _Platform()
     runner = capture_with(patched, platform)
     assert isinstance(runner, _Runner)
-    assert platform.asked == [("MULTI_LAYER_EAGLE", "draft_extend")]
+    assert platform.asked == [("EAGLE", "multi_layer_draft_extend")]
+    # hal's platform answers that question with its runner, and the single-layer worker's
+    # ("draft_extend") with SGLang's choice.
+    from hal.integrations.sglang.graph import HalMultiLayerEagleDraftExtendRunner
+    from hal.integrations.sglang.platform import HalPlatform
+
+    assert HalPlatform().get_speculative_graph_runner_cls("EAGLE", "multi_layer_draft_extend") is HalMultiLayerEagleDraftExtendRunner
+    assert HalPlatform().get_speculative_graph_runner_cls("EAGLE", "draft_extend") is None
+
+
+def draft_extend_backend(module: types.ModuleType, platform: _Platform, backend: str, monkeypatch: pytest.MonkeyPatch) -> object:
+    """``DraftBackendFactory.create_draft_extend_backend`` for a server configured with ``backend``."""
+    import sglang.srt.layers.attention.attention_registry as registry
+
+    monkeypatch.setattr(registry, "attn_backend_wrapper_for_draft_extend", lambda runner, b: b)
+    monkeypatch.setitem(registry.ATTENTION_BACKENDS, "plugin-backend", lambda runner: types.SimpleNamespace(runner=runner))
+    module.attention_backends = lambda: (backend, backend)
+    module.get_spec = lambda: types.SimpleNamespace(speculative_algorithm="EAGLE", speculative_attention_mode="prefill")
+    if hasattr(module, "current_platform"):
+        module.current_platform = platform
+    runner = types.SimpleNamespace(draft_attention_backend=None)
+    return module.DraftBackendFactory(runner, topk=1, speculative_num_steps=3).create_draft_extend_backend()
+
+
+def test_patched_draft_tables_take_the_platforms_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    unpatched, patched = before_and_after(tmp_path, *DRAFT_UTILS)
+    with pytest.raises(ValueError, match="EAGLE is not supported in attention backend plugin-backend"):
+        draft_extend_backend(unpatched, _Platform(), "plugin-backend", monkeypatch)
+    platform = _Platform()
+    backend = draft_extend_backend(patched, platform, "plugin-backend", monkeypatch)
+    assert backend.prefill_attention_backend_str == backend.decode_attention_backend_str == "plugin-backend"
+    assert platform.asked == [("EAGLE", "plugin-backend")]
+    # a backend the platform does not vouch for is refused as before
+    with pytest.raises(ValueError, match="EAGLE is not supported in attention backend torch_native"):
+        draft_extend_backend(patched, _Platform(), "torch_native", monkeypatch)
+
+
+def test_patched_mimo_mtp_asks_the_platform_to_synchronize(tmp_path: Path) -> None:
+    unpatched, patched = before_and_after(tmp_path, *MIMO_NEXTN)
+
+    def swap_head(module: types.ModuleType) -> None:
+        mtp = module.MiMoV2MTP.__new__(module.MiMoV2MTP)
+        torch.nn.Module.__init__(mtp)
+        mtp.model = torch.nn.Module()
+        mtp.model.embed_tokens = torch.nn.Embedding(4, 2)
+        mtp.lm_head = torch.nn.Linear(2, 4)
+        mtp.set_embed_and_head(torch.nn.Parameter(torch.ones(4, 2)), torch.nn.Parameter(torch.ones(4, 2)))
+        assert torch.equal(mtp.lm_head.weight, torch.ones(4, 2))
+
+    if not torch.cuda.is_available():
+        with pytest.raises(AssertionError, match="not compiled with CUDA"):  # upstream calls torch.cuda directly
+            swap_head(unpatched)
+    platform = _Platform()
+    patched.current_platform = platform
+    swap_head(patched)
+    assert platform.asked == [("empty_cache",), ("synchronize",)]

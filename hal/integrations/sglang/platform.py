@@ -21,6 +21,11 @@ from sglang.srt.platforms.interface import PlatformCapabilities
 # SGLang resolves its platform while ``sglang.srt.platforms`` is still importing: this module
 # imports no other SGLang module at load time; the hooks import what they return.
 
+#: Speculative algorithms whose verify batches are chains (with ``speculative_eagle_topk=1``).
+CHAIN_ALGORITHMS = frozenset({"EAGLE", "NEXTN", "STANDALONE"})
+#: The phase the patched multi-layer EAGLE worker asks ``get_speculative_graph_runner_cls`` for.
+MULTI_LAYER_DRAFT_EXTEND = "multi_layer_draft_extend"
+
 # hal device type -> the in-tree SGLang platform class for it.
 IN_TREE_PLATFORMS = {
     "cpu": "sglang.srt.platforms.cpu.CpuSRTPlatform",
@@ -60,6 +65,12 @@ class HalPlatform(_IN_TREE):  # type: ignore[misc]
     def get_default_attention_backend(self) -> str:
         return NAME
 
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        # hal verifies chains: EAGLE-family drafts with speculative_eagle_topk=1 (a tree verify
+        # batch is refused by the attention backend). NEXTN is SGLang's alias of EAGLE; on
+        # MiMo-V2-Flash, EAGLE is its multi-layer EAGLE (MTP).
+        return str(algorithm).upper() in CHAIN_ALGORITHMS
+
     def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
         return NAME
 
@@ -79,7 +90,9 @@ class HalPlatform(_IN_TREE):  # type: ignore[misc]
         return HalGraphBackend
 
     def get_speculative_graph_runner_cls(self, algorithm: str, phase: str) -> type | None:
-        if phase == "draft_extend" and "MULTI_LAYER" in str(algorithm).upper():
+        # The multi-layer EAGLE worker asks with this phase once patches/ is applied; SGLang names
+        # its algorithm EAGLE either way.
+        if phase == MULTI_LAYER_DRAFT_EXTEND:
             from hal.integrations.sglang.graph import HalMultiLayerEagleDraftExtendRunner
 
             return HalMultiLayerEagleDraftExtendRunner

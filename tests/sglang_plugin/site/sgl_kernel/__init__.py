@@ -1,7 +1,8 @@
 """Placeholder for SGLang's CUDA kernel package, which has no CPU build.
 
 SGLang imports names from ``sgl_kernel`` (and its submodules) at module load; on the CPU path none
-of them is called. Every name here is a placeholder that raises when called and appends its name
+of them is called, except the CPU ops of the speculative path, which ``sgl_kernel_cpu_standins``
+stands in for. Every other name here is a placeholder that raises when called and appends its name
 to the file named by ``HAL_SGL_KERNEL_CALLS``, so a test can assert nothing was ever called.
 """
 
@@ -65,5 +66,18 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _SubmoduleFinder())
+
+# The CPU ops SGLang's speculative path calls: strict pure-torch stand-ins, not placeholders.
+from sgl_kernel_cpu_standins import (  # noqa: E402,F401
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    assign_req_to_token_pool_cpu,
+    build_tree_kernel_efficient_cpu,
+    copy_all_layer_kv_cache_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    rotate_input_ids_cpu,
+    verify_tree_greedy_cpu,
+)
 sys.modules[__name__].__class__ = _PlaceholderModule
 __version__ = "0.0.0+placeholder"
