@@ -209,7 +209,8 @@ class HalMHATokenToKVPool(MHATokenToKVPool):
         self.native_k_scale_buffer = self.native_v_scale_buffer = None
         self.dq_k_buffer = self.dq_v_buffer = None
         if self.layer_num == 0:  # the empty full side of a window-only SWAKVPool (an MTP draft's)
-            self.k_buffer, self.v_buffer = [], []
+            empty: list[torch.Tensor] = []
+            self.k_buffer, self.v_buffer = empty, list(empty)
             return
         store_in_hal_pool(self)
 
