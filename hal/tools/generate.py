@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         accept = result.mean_accept_length if result.accept_lengths else None
         print(json.dumps({"tokens": tokens, "tokens_per_second": result.tokens_per_second, "accept_length": accept,
-                          "target_forwards": result.target_forwards}))
+                          "target_forwards": result.target_forwards, "request_verifies": len(result.accept_lengths)}))
         return 0
     for i, row in enumerate(tokens):
         print(f"[{i}] {row}" + (f"\n    {tokenizer.decode(row)!r}" if tokenizer is not None else ""))

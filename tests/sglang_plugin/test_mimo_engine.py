@@ -83,7 +83,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
 def sglang_tokens(model: Path, **kwargs: Any) -> list[list[int]]:
     engine = sglang.Engine(
         model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, disable_cuda_graph=True,
-        random_seed=0, max_total_tokens=2048, chunked_prefill_size=CHUNK, json_model_override_args=ROPE_OVERRIDE, **kwargs,
+        random_seed=0, max_total_tokens=2048, chunked_prefill_size=CHUNK, json_model_override_args=ROPE_OVERRIDE, dtype="float32",
+        **kwargs,
     )
     """Greedy tokens for ``PROMPTS``, then ``NEW_TOKENS`` more for two of them, continued from the
     radix cache (a prefix is reusable while its last window's SWA KV is kept: the end of a finished

@@ -1,0 +1,125 @@
+"""The seed's workload inside SGLang: MiMo-V2-Flash with its MTP layers as multi-layer EAGLE,
+``sglang.Engine(device="cpu", attention_backend="hal", speculative_algorithm="EAGLE")`` under
+``SGLANG_PLATFORM=hal`` with hal's upstream patches applied (``.ci/apply-sglang-patches``).
+
+The checkpoint is hal's tiny MiMo-V2-Flash (18 hybrid layers, sinks on sliding-window layers, qk
+192 / v 128) with three MTP layers distilled to predict it, saved in the published config form
+SGLang reads; transformers loads the same weights as the oracle. SGLang runs its MiMo MTP draft
+model (``models/mimo_v2_nextn.py``) one layer per draft step; every attention call of the target
+verify, the draft extends and the prefills goes through hal's backend over hal's hybrid pools.
+On SGLang's CPU path the multi-layer worker captures no graphs; the draft-extend runner the
+platform supplies is tested on the emulated Ascend backend in ``test_graph_backend.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import sglang  # noqa: E402
+import torch  # noqa: E402
+
+from hal.speculative.distill import distill  # noqa: E402
+from hal.speculative.mimo_config import MiMoConfig  # noqa: E402
+from hal.speculative.model import TinyConfig, TinyMiMo  # noqa: E402
+from hal.tools.demo import make_prompts  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 3
+NEW_TOKENS = 24
+PROMPTS = make_prompts(4, TinyConfig().vocab_size, 0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """The published-form checkpoint with MTP layers, and transformers' greedy tokens."""
+    tiny = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=STEPS))
+    distill(tiny)
+    hf_dir = tiny.save_pretrained(tmp_path_factory.mktemp("mimo-mtp-transformers"))
+    oracle = transformers.MiMoV2FlashForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", use_kernels=False).eval()
+    with torch.no_grad():
+        expected = [
+            oracle.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
+    published = tmp_path_factory.mktemp("mimo-mtp-published")
+    shutil.copy(hf_dir / "model.safetensors", published / "model.safetensors")
+    config = MiMoConfig.from_file(hf_dir / "config.json")
+    assert config.num_mtp_layers == STEPS
+    (published / "config.json").write_text(json.dumps(config.published_dict()))
+    return published, expected
+
+
+def rope_override(model: Path) -> str:
+    """SGLang 0.5.23 on a CPU needs a flat rope_parameters (README: MiMo-V2-Flash in SGLang)."""
+    config = json.loads((model / "config.json").read_text())
+    return json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"],
+                                           "partial_rotary_factor": config["partial_rotary_factor"]}})  # fmt: skip
+
+
+def sglang_generate(model: Path, speculative: bool) -> list[dict[str, Any]]:
+    spec = dict(
+        speculative_algorithm="EAGLE", speculative_num_steps=STEPS, speculative_eagle_topk=1,
+        speculative_num_draft_tokens=STEPS + 1, speculative_draft_model_path=str(model),
+    ) if speculative else {}  # fmt: skip
+    engine = sglang.Engine(
+        model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, disable_cuda_graph=True,
+        random_seed=0, max_total_tokens=4096, json_model_override_args=rope_override(model), dtype="float32", **spec,
+    )
+    try:
+        return engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})  # type: ignore[no-any-return]
+    finally:
+        engine.shutdown()
+
+
+def test_multi_layer_eagle_through_hal_is_lossless_and_accepts_like_hal(
+    checkpoint: tuple[Path, list[list[int]]], sgl_kernel_calls: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, expected = checkpoint
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    forwards = tmp_path / "hal_forwards.txt"
+    monkeypatch.setenv("HAL_SGLANG_FORWARD_LOG", str(forwards))
+    spec = sglang_generate(model, speculative=True)
+    served = Counter(tuple(line.split()) for line in forwards.read_text().splitlines())
+    plain = sglang_generate(model, speculative=False)
+
+    tokens = [o["output_ids"] for o in spec]
+    assert tokens == [o["output_ids"] for o in plain] == expected
+
+    # hal generate --speculative mtp on the same checkpoint: the same tokens and accept length.
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    run = subprocess.run(
+        [sys.executable, "-m", "hal.tools.cli", "generate", "--model", str(model), "--prompts-file", str(prompts),
+         "--max-new-tokens", str(NEW_TOKENS), "--speculative", "mtp", "--num-draft-steps", str(STEPS), "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    hal_run = json.loads(run.stdout)
+    assert hal_run["tokens"] == expected
+    # Both verify each request equally often: the same drafts are accepted. Accept length as
+    # tokens per verify, bonus included, from tokens kept (the first token of each request comes
+    # from prefill; hal's own figure also counts what a last verify accepted past the limit).
+    verifies = sum(o["meta_info"]["spec_verify_ct"] for o in spec)
+    assert verifies == hal_run["request_verifies"]
+    sglang_accept = sum(len(t) - 1 for t in tokens) / verifies
+    hal_accept = sum(len(t) - 1 for t in hal_run["tokens"]) / hal_run["request_verifies"]
+    assert round(sglang_accept, 1) == round(hal_accept, 1), (sglang_accept, hal_accept, hal_run["accept_length"])
+    assert sglang_accept > 2.0  # the distilled MTP layers do draft the target's tokens
+
+    # Every target verify (one batch per step, as long as the longest-verifying request lives) and
+    # the draft extends of every MTP layer went through hal, over hybrid SWA pools.
+    steps = max(o["meta_info"]["spec_verify_ct"] for o in spec)
+    assert served[("TARGET_VERIFY", "SWAKVPool")] == steps, served
+    assert served[("DRAFT_EXTEND_V2", "SWAKVPool")] >= STEPS * steps, served
+    assert {mode for mode, _ in served} <= {"EXTEND", "DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2"}
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
