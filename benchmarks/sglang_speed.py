@@ -2,6 +2,8 @@
 
     PYTHONPATH=tests/sglang_plugin/site SGLANG_USE_CPU_ENGINE=1 \\
         python benchmarks/sglang_speed.py [--prompt-lens 128 900] [--dtypes float32 float16] [--repeats 5]
+    PYTHONPATH=tests/sglang_plugin/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
+        python benchmarks/sglang_speed.py --mtp [--batch 4] [--new-tokens 64] [--repeats 5]
 
 Both engines serve the same random Llama (saved by transformers) side by side; each timed sample is
 one ``generate`` of ``--batch`` prompts with ``--new-tokens`` greedy tokens, the two backends
@@ -35,6 +37,69 @@ def make_llama(directory: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
+def make_mimo_mtp(directory: Path, steps: int) -> None:
+    """hal's tiny MiMo-V2-Flash with ``steps`` distilled MTP layers, in SGLang's published config form."""
+    import json
+
+    from hal.speculative.distill import distill
+    from hal.speculative.mimo_config import MiMoConfig
+    from hal.speculative.model import TinyConfig, TinyMiMo
+
+    tiny = TinyMiMo(TinyConfig(num_mtp_layers=steps))
+    distill(tiny)
+    tiny.save_pretrained(directory)
+    config = directory / "config.json"
+    config.write_text(json.dumps(MiMoConfig.from_file(config).published_dict()))
+
+
+def bench_mtp(args: argparse.Namespace) -> int:
+    """Multi-layer EAGLE against plain decoding inside sglang.Engine, both through hal."""
+    import json
+
+    import sglang
+
+    from hal.tools.demo import make_prompts
+
+    steps = 3
+    model = Path(tempfile.mkdtemp()) / "mimo"
+    make_mimo_mtp(model, steps)
+    config = json.loads((model / "config.json").read_text())
+    rope = {"rope_type": "default", "rope_theta": config["rope_theta"], "partial_rotary_factor": config["partial_rotary_factor"]}
+    spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=steps + 1, speculative_draft_model_path=str(model))  # fmt: skip
+    engines = {
+        name: sglang.Engine(
+            model_path=str(model), device="cpu", attention_backend="hal", dtype="float32", skip_tokenizer_init=True,
+            disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, json_model_override_args=json.dumps({"rope_parameters": rope}),
+            **(spec if name == "mtp" else {}),
+        )
+        for name in ("mtp", "plain")
+    }
+    prompts = make_prompts(args.batch, config["vocab_size"], 0)
+    params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+    try:
+        first = {name: engine.generate(input_ids=prompts, sampling_params=params) for name, engine in engines.items()}
+        same = [o["output_ids"] for o in first["mtp"]] == [o["output_ids"] for o in first["plain"]]
+        verifies = sum(o["meta_info"]["spec_verify_ct"] for o in first["mtp"])
+        accept = sum(len(o["output_ids"]) - 1 for o in first["mtp"]) / verifies
+        rates: dict[str, list[float]] = {"mtp": [], "plain": []}
+        for i in range(args.repeats):
+            for name in ("mtp", "plain") if i % 2 == 0 else ("plain", "mtp"):
+                start = time.perf_counter()
+                engines[name].generate(input_ids=prompts, sampling_params=params)
+                rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - start))
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    ratios = [m / p for m, p in zip(rates["mtp"], rates["plain"])]
+    print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} alternating pairs")
+    print("| MTP tok/s | plain tok/s | MTP / plain (median) | spread | accept length | same tokens |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {statistics.median(rates['mtp']):.1f} | {statistics.median(rates['plain']):.1f} | {statistics.median(ratios):.2f} "
+          f"| {min(ratios):.2f}-{max(ratios):.2f} | {accept:.2f} of {steps + 1} | {'yes' if same else 'no'} |")
+    return 0 if same else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     import sglang
 
@@ -44,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mtp", action="store_true", help="multi-layer EAGLE vs plain decoding on hal's tiny MiMo-V2-Flash")
     args = parser.parse_args(argv)
+    if args.mtp:
+        return bench_mtp(args)
     model = Path(tempfile.mkdtemp()) / "llama"
     make_llama(model)
     gen = torch.Generator().manual_seed(1)

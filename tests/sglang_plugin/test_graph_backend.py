@@ -48,21 +48,21 @@ def test_replay_of_a_graph_with_host_arguments_needs_metadata() -> None:
     backend = make_backend(metadata=None)
     with backend.capture_session(stream=None):
         backend.capture_one("bs1", lambda: torch.zeros(1))
-    backend._graphs["bs1"].captured_calls.append((object(), object()))
+    backend.captured("bs1").captured_calls.append((object(), object()))
     with pytest.raises(GraphError, match="no metadata"):
         backend.replay("bs1", static_forward_batch=None)
 
 
 def npu_verify_setup(npu: object) -> tuple:
-    """The backend ``hal`` over an (emulated) Ascend pool and FIA kernel, a verify layer, and
-    ForwardBatch makers. SGLang's pool object stays on the CPU; the kernels read the NPU pool."""
+    """The backend ``hal`` given the (emulated) Ascend backend: SGLang's pool stored in an Ascend
+    pool, the FIA kernel, a verify layer, and ForwardBatch makers."""
     from hal.integrations.sglang.attention import HalAttnBackend
-    from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool
     from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     page, ctx, d = 16, 64, 128
-    sgl_pool = HalMHATokenToKVPool(
+    sgl_pool = MHATokenToKVPool(
         size=512, page_size=page, dtype=torch.bfloat16, head_num=2, head_dim=d, layer_num=1, device="cpu",
         enable_memory_saver=False, v_head_dim=d,
     )
@@ -73,9 +73,8 @@ def npu_verify_setup(npu: object) -> tuple:
         device="cpu", req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=sgl_pool,
         model_config=types.SimpleNamespace(context_len=ctx),
     )
-    attn = HalAttnBackend(runner)
-    attn.pool = npu.create_kv_pool(attn.pool.spec)
-    attn.kernel = npu.create_attention(attn.pool)
+    attn = HalAttnBackend(runner, backend=npu)
+    assert type(attn.pool).__module__.startswith("hal.backends.npu") and attn.hal_backend is npu
     gen = torch.Generator().manual_seed(0)
     full = req_to_token[:, :ctx].reshape(-1).long()
     attn.pool.set_kv(0, full, torch.randn((len(full), 2, d), generator=gen).bfloat16(), torch.randn((len(full), 2, d), generator=gen).bfloat16())
@@ -114,7 +113,7 @@ def test_npu_graph_replays_take_the_new_batchs_lengths(monkeypatch: pytest.Monke
         attn.init_forward_metadata_out_graph(captured_batch, in_capture=True)
         with graphs.capture_session(stream=None):
             graphs.capture_one("verify-2", lambda: attn.forward_extend(*static, layer, captured_batch))
-        assert graphs._graphs["verify-2"].captured_calls  # FIA recorded its host-side lengths
+        assert graphs.captured("verify-2").captured_calls  # FIA recorded its host-side lengths
 
         def replay(prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             new = inputs(4)

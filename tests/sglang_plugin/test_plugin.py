@@ -62,10 +62,16 @@ def test_platform_hal_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert issubclass(HalMHATokenToKVPool, MHATokenToKVPool)
     assert platform.get_kv_pool_cls(kind="mla") is None
     assert platform.get_full_graph_backend_cls() is HalGraphBackend
-    runner = platform.get_speculative_graph_runner_cls(algorithm="MULTI_LAYER_EAGLE", phase="draft_extend")
+    runner = platform.get_speculative_graph_runner_cls(algorithm="EAGLE", phase="multi_layer_draft_extend")
     assert runner is HalMultiLayerEagleDraftExtendRunner
     assert issubclass(runner, MultiLayerEagleMultiStepDraftExtendCudaGraphRunner)
     assert platform.get_speculative_graph_runner_cls(algorithm="EAGLE", phase="draft_decode") is None
+    assert platform.get_speculative_graph_runner_cls(algorithm="EAGLE", phase="draft_extend") is None
+    # chains only: EAGLE (multi-layer on MiMo-V2-Flash), its alias NEXTN, STANDALONE; not NGRAM's trees
+    assert [platform.supports_speculative_algorithm(a) for a in ("EAGLE", "NEXTN", "STANDALONE", "NGRAM", "DFLASH")] == [True, True, True, False, False]
+    assert platform.supports_speculative_draft_attention_backend("EAGLE", "hal")
+    assert not platform.supports_speculative_draft_attention_backend("EAGLE", "triton")
+    assert platform.hal_backend is platform.hal_backend and platform.hal_backend.device.type == "cpu"
     assert platform.get_default_attention_backend() == "hal"
     # hal's CPU backend runs graphs eagerly: SGLang is told not to capture.
     assert platform.capabilities.graph_capture is False

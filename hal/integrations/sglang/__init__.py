@@ -20,7 +20,6 @@ TESTED_SGLANG_VERSION = "0.5.23"
 #: field or instance attribute; ``tests/sglang_plugin/test_plugin.py`` checks each still exists.
 SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
     "sglang.srt.plugins": ("PLATFORM_PLUGINS_GROUP", "GENERAL_PLUGINS_GROUP"),
-    "sglang.srt.platforms": ("_resolve_platform",),
     "sglang.srt.arg_groups.choices": ("ATTENTION_BACKEND_CHOICES", "add_attention_backend_choices"),
     "sglang.srt.arg_groups.platform_hook": ("handle_cpu_backends", "handle_platform_defaults"),
     "sglang.srt.layers.attention.attention_registry": ("register_attention_backend", "ATTENTION_BACKENDS"),
@@ -66,10 +65,15 @@ SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
         "SRTPlatform.get_kv_pool_cls", "SRTPlatform.get_default_attention_backend",
         "SRTPlatform.get_default_speculative_draft_attention_backend",
         "SRTPlatform.supports_speculative_draft_attention_backend", "SRTPlatform.get_full_graph_backend_cls",
-        "SRTPlatform.get_speculative_graph_runner_cls", "SRTPlatform.capabilities",
+        "SRTPlatform.get_speculative_graph_runner_cls", "SRTPlatform.capabilities", "SRTPlatform.supports_speculative_algorithm",
         "PlatformCapabilities.supports_triton", "PlatformCapabilities.graph_capture",
     ),
-    "sglang.srt.platforms.device_mixin": ("DeviceMixin.is_out_of_tree",),
+    "sglang.srt.platforms.device_mixin": ("DeviceMixin.is_out_of_tree", "DeviceMixin.empty_cache", "DeviceMixin.synchronize"),
+    "sglang.srt.platforms": ("_resolve_platform", "current_platform"),
+    # Patched (patches/): the draft-extend table asks the platform; the MTP model syncs through it.
+    "sglang.srt.speculative.draft_utils": ("DraftBackendFactory._create_backend", "DraftBackendFactory.create_draft_extend_backend"),
+    "sglang.srt.models.mimo_v2_nextn": ("MiMoV2MTP.set_embed_and_head",),
+    "sglang.srt.mem_cache.base_swa_memory_pool": ("BaseSWAKVPool.swa_req_ring_size", "BaseSWAKVPool.register_mapping"),
     "sglang.srt.platforms.cpu": ("CpuSRTPlatform",),
     "sglang.srt.platforms.cuda": ("CudaSRTPlatform",),
     "sglang.srt.platforms.npu": ("NPUSRTPlatform",),

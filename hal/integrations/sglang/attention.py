@@ -30,12 +30,13 @@ from typing import Any
 import attrs
 import torch
 
+import hal
 from hal.errors import CacheLocationError, SpecError, UnsupportedConfigError
 from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import AttentionKernel, KVPool
 from hal.spec import ForwardMode, LayerSpec
-from hal.integrations.sglang.kv_pool import hal_backend_for, mirror_swa_pages, store_in_hal_pool
+from hal.integrations.sglang.kv_pool import mirror_swa_pages, serving_backend, store_in_hal_pool
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangMode
@@ -218,13 +219,16 @@ class HalAttnBackend(AttentionBackend):
     the in-tree pool given hal's storage when this backend starts), so no KV is copied.
     """
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: Any, backend: hal.Backend | None = None) -> None:
+        """``backend``: the hal backend whose pool and kernel serve this runner (default:
+        ``serving_backend``, the platform's when ``SGLANG_PLATFORM=hal``)."""
         super().__init__()
         self.device = torch.device(model_runner.device)
+        self.hal_backend = backend or serving_backend(model_runner.device)
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.sgl_pool = model_runner.token_to_kv_pool
-        self.pool: KVPool = store_in_hal_pool(self.sgl_pool)
-        self.kernel: AttentionKernel = hal_backend_for(self.pool.device).create_attention(self.pool)
+        self.pool: KVPool = store_in_hal_pool(self.sgl_pool, self.hal_backend)
+        self.kernel: AttentionKernel = self.hal_backend.create_attention(self.pool)
         self.start_layer = self.sgl_pool.start_layer
         # A hybrid pool: SGLang's SWAKVPool, whose slot mapping each forward mirrors into hal's pool.
         self._swa_pool = self.sgl_pool if self.pool.spec.swa is not None else None

@@ -8,7 +8,7 @@ from typing import Any
 
 from hal.errors import GraphError, UnsupportedConfigError
 from hal.graph import GraphUpdate
-from hal.integrations.sglang.kv_pool import hal_backend_for
+from hal.integrations.sglang.kv_pool import serving_backend
 from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
 from sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner import (
     MultiLayerEagleMultiStepDraftExtendCudaGraphRunner,
@@ -28,7 +28,9 @@ class HalGraphBackend(BaseCudaGraphBackend):
         if enable_memory_saver:
             raise UnsupportedConfigError("hal's graph backend: --enable-memory-saver is not supported")
         self._runner = cuda_graph_runner
-        self._backend = hal_backend_for(cuda_graph_runner.model_runner.device)
+        attn = getattr(cuda_graph_runner.model_runner, "attn_backend", None)
+        # The backend whose kernels the graphs capture: the attention backend's, else the serving one.
+        self._backend = getattr(attn, "hal_backend", None) or serving_backend(cuda_graph_runner.model_runner.device)
         self._graphs: dict[Any, Any] = {}
         self._outputs: dict[Any, Any] = {}
         self._memory_pool: Any = None
@@ -47,6 +49,13 @@ class HalGraphBackend(BaseCudaGraphBackend):
         graph = self._backend.create_graph()
         self._outputs[shape_key] = graph.capture(forward_fn, memory_pool=self._memory_pool)
         self._graphs[shape_key] = graph
+
+    def captured(self, shape_key: Any) -> Any:
+        """The hal graph captured for ``shape_key`` (``GraphError`` if none)."""
+        try:
+            return self._graphs[shape_key]
+        except KeyError:
+            raise GraphError(f"hal's graph backend: nothing captured for {shape_key!r}; captured: {sorted(map(repr, self._graphs))}") from None
 
     def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
         return shape_key in self._graphs

@@ -29,8 +29,14 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 _HAL_POOL_ATTR = "_hal_kv_pool"
 
 
-def hal_backend_for(device: str | torch.device) -> hal.Backend:
-    """hal's backend for an SGLang device string (``"cpu"``, ``"cuda"``, ``"npu:1"``, ...)."""
+def serving_backend(device: str | torch.device) -> hal.Backend:
+    """The hal backend serving SGLang in this process: the one ``SGLANG_PLATFORM=hal`` resolved at
+    start-up (``HalPlatform.hal_backend``), else hal's backend for SGLang's device string."""
+    from sglang.srt.platforms import current_platform
+
+    backend = getattr(current_platform, "hal_backend", None)
+    if isinstance(backend, hal.Backend):
+        return backend
     return hal.get_backend(str(device))  # hal parses the string: torch may not know "npu" yet
 
 
@@ -122,8 +128,9 @@ def _view_layers(sgl_pool: Any, pool: KVPool, layer_ids: tuple[int, ...]) -> Non
     sgl_pool._init_data_ptrs_and_strides()
 
 
-def store_in_hal_pool(sgl_pool: Any) -> KVPool:
-    """Give ``sgl_pool`` hal's split K/V pool as its storage and return that pool.
+def store_in_hal_pool(sgl_pool: Any, backend: hal.Backend | None = None) -> KVPool:
+    """Give ``sgl_pool`` hal's split K/V pool as its storage and return that pool (made by
+    ``backend``, default: ``serving_backend`` for the pool's device).
 
     SGLang's own buffers are released before hal's are allocated, so the two never coexist. An
     ``SWAKVPool``'s two sub-pools become views of one hybrid hal pool's full and SWA parts.
@@ -139,7 +146,7 @@ def store_in_hal_pool(sgl_pool: Any) -> KVPool:
         sub.k_buffer = sub.v_buffer = None
         if hasattr(sub, _HAL_POOL_ATTR):  # a HalMHATokenToKVPool built as a sub-pool: its own hal pool goes
             delattr(sub, _HAL_POOL_ATTR)
-    pool = hal_backend_for(sgl_pool.device).create_kv_pool(spec)
+    pool = (backend or serving_backend(sgl_pool.device)).create_kv_pool(spec)
     if hybrid:
         assert spec.swa is not None
         if spec.full_layer_ids:

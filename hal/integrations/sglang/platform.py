@@ -4,7 +4,9 @@ runner in place of the device's own.
 
 The in-tree platform stays the base class so everything hal does not replace (distributed groups,
 memory queries, quantization) is SGLang's. Which in-tree platform that is comes from hal's backend
-for ``auto`` (``HAL_SGLANG_DEVICE`` overrides), looked up by device type in one table.
+for ``auto`` (``HAL_SGLANG_DEVICE`` names another device; ``HAL_SGLANG_EMULATE=1`` runs it on
+hal's emulator of its runtime, with SGLang on the CPU), looked up by where the backend's tensors
+live in one table.
 """
 
 from __future__ import annotations
@@ -45,12 +47,17 @@ def in_tree_platform_class(device_type: str) -> type:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
-_HAL_BACKEND = hal.get_backend(os.environ.get("HAL_SGLANG_DEVICE", "auto"))
-_IN_TREE: Any = in_tree_platform_class(_HAL_BACKEND.device_type)
+# The one hal backend this process serves with, resolved here at the edge and handed inward.
+_HAL_BACKEND = hal.get_backend(os.environ.get("HAL_SGLANG_DEVICE", "auto"), emulate=os.environ.get("HAL_SGLANG_EMULATE") == "1")
+# SGLang runs on the device the backend's tensors live on: an emulated backend's are on the host.
+_IN_TREE: Any = in_tree_platform_class(_HAL_BACKEND.device.type)
 
 
 class HalPlatform(_IN_TREE):  # type: ignore[misc]
     """SGLang's platform for the device, with hal's parts where the platform interface has hooks."""
+
+    #: The hal backend whose pools, kernels and graphs serve SGLang (``kv_pool.serving_backend``).
+    hal_backend = _HAL_BACKEND
 
     capabilities = PlatformCapabilities(
         supports_triton=_IN_TREE.capabilities.supports_triton,
