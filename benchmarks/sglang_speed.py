@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,27 +68,31 @@ def bench_mtp(args: argparse.Namespace) -> int:
     rope = {"rope_type": "default", "rope_theta": config["rope_theta"], "partial_rotary_factor": config["partial_rotary_factor"]}
     spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1,
                 speculative_num_draft_tokens=steps + 1, speculative_draft_model_path=str(model))  # fmt: skip
-    engines = {
-        name: sglang.Engine(
+    def start(name: str) -> Any:
+        return sglang.Engine(
             model_path=str(model), device="cpu", attention_backend="hal", dtype="float32", skip_tokenizer_init=True,
             disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, json_model_override_args=json.dumps({"rope_parameters": rope}),
             **(spec if name == "mtp" else {}),
         )
-        for name in ("mtp", "plain")
-    }
+
     prompts = make_prompts(args.batch, config["vocab_size"], 0)
     params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+    # The accept length is read while the speculative engine is the only one: SGLang's front end
+    # computes it from process-wide settings, which the second engine replaces.
+    engines = {"mtp": start("mtp")}
     try:
-        first = {name: engine.generate(input_ids=prompts, sampling_params=params) for name, engine in engines.items()}
-        same = [o["output_ids"] for o in first["mtp"]] == [o["output_ids"] for o in first["plain"]]
+        first = {"mtp": engines["mtp"].generate(input_ids=prompts, sampling_params=params)}
         verifies = sum(o["meta_info"]["spec_verify_ct"] for o in first["mtp"])
         accept = sum(len(o["output_ids"]) - 1 for o in first["mtp"]) / verifies
+        engines["plain"] = start("plain")
+        first["plain"] = engines["plain"].generate(input_ids=prompts, sampling_params=params)
+        same = [o["output_ids"] for o in first["mtp"]] == [o["output_ids"] for o in first["plain"]]
         rates: dict[str, list[float]] = {"mtp": [], "plain": []}
         for i in range(args.repeats):
             for name in ("mtp", "plain") if i % 2 == 0 else ("plain", "mtp"):
-                start = time.perf_counter()
+                begin = time.perf_counter()
                 engines[name].generate(input_ids=prompts, sampling_params=params)
-                rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - start))
+                rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - begin))
     finally:
         for engine in engines.values():
             engine.shutdown()
