@@ -15,6 +15,7 @@ from hal.speculative import GreedyDecoder
 from hal.speculative.checkpoint import SCALE_SUFFIX, Checkpoint, dequantize_fp8, quantize_fp8
 from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.mimo_config import MiMoConfig
+from hal.tools.testing import spread_sinks_and_router
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -41,13 +42,7 @@ def make_checkpoint(directory: Path, seed: int = 0, **overrides: Any) -> Any:
     config = transformers.MiMoV2FlashConfig(**{**BASE, **overrides})
     torch.manual_seed(seed)
     model = transformers.MiMoV2FlashForCausalLM(config).eval()
-    with torch.no_grad():  # random router biases and sinks, so choosing experts and sinks matter
-        for name, p in model.named_parameters():
-            if name.endswith("sinks"):
-                p.normal_(0, 1)
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0, 0.5)
+    spread_sinks_and_router(model)
     model.save_pretrained(directory, **({"max_shard_size": overrides.pop("_shard")} if "_shard" in overrides else {}))
     return model
 

@@ -258,3 +258,16 @@ def standard_attention_cases(
                         for mode, (kv, q) in shapes.items():
                             cases.append(AttentionCase(mode, layer, kv, q, ps, dtype, hybrid, seed + len(cases)))
     return cases
+
+
+def spread_sinks_and_router(model: torch.nn.Module) -> None:
+    """Draw a transformers MiMo-V2-Flash model's attention sinks and expert-router biases at random
+    (their initialisation leaves them 0), so that sinks and the choice of experts matter in tests."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):
+                parameter.normal_(0, 1)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.normal_(0, 0.5)

@@ -27,6 +27,7 @@ import sglang  # noqa: E402
 import torch  # noqa: E402
 
 from hal.speculative.mimo_config import MiMoConfig  # noqa: E402
+from hal.tools.testing import spread_sinks_and_router  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,13 +60,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     hf_dir = tmp_path_factory.mktemp("mimo-transformers")
     torch.manual_seed(0)
     model = transformers.MiMoV2FlashForCausalLM(transformers.MiMoV2FlashConfig(**CONFIG)).eval()
-    with torch.no_grad():  # random sinks and router biases, so sinks and expert choice matter
-        for name, p in model.named_parameters():
-            if name.endswith("sinks"):
-                p.normal_(0, 1)
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0, 0.5)
+    spread_sinks_and_router(model)
     model.save_pretrained(hf_dir)
     oracle = transformers.MiMoV2FlashForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", use_kernels=False).eval()
     expected = []
