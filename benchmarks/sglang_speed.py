@@ -7,8 +7,9 @@
 
 Both engines serve the same random Llama (saved by transformers) side by side; each timed sample is
 one ``generate`` of ``--batch`` prompts with ``--new-tokens`` greedy tokens, the two backends
-alternating so that machine load hits both alike. The table gives the median of the paired ratios
-(hal tokens/s over torch_native tokens/s), their lowest and highest, and how many of the requests
+alternating so that machine load hits both alike (an idle engine sleeps instead of polling). The
+table gives the median of the paired ratios (hal tokens/s over torch_native tokens/s), their
+lowest and highest, and how many of the requests
 got the same greedy tokens from both. Exits 1 if an fp32 row's tokens differ (in fp16 the two
 kernels round differently: hal accumulates in fp32).
 """
@@ -71,7 +72,7 @@ def bench_mtp(args: argparse.Namespace) -> int:
     def start(name: str) -> Any:
         return sglang.Engine(
             model_path=str(model), device="cpu", attention_backend="hal", dtype="float32", skip_tokenizer_init=True,
-            disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, json_model_override_args=json.dumps({"rope_parameters": rope}),
+            disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, sleep_on_idle=True, json_model_override_args=json.dumps({"rope_parameters": rope}),
             **(spec if name == "mtp" else {}),
         )
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = {
             name: sglang.Engine(
                 model_path=str(model), device="cpu", attention_backend=name, dtype=dtype, skip_tokenizer_init=True,
-                disable_cuda_graph=True, random_seed=0, max_total_tokens=16384, disable_radix_cache=True,
+                disable_cuda_graph=True, random_seed=0, max_total_tokens=16384, disable_radix_cache=True, sleep_on_idle=True,
             )
             for name in ("hal", "torch_native")
         }

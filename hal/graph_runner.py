@@ -113,6 +113,7 @@ class GraphRunner:
             name: torch.zeros((rows, *shape), dtype=dtype, device=device) for name, (shape, dtype) in inputs.items()
         }
         self._captured: dict[int, _Captured] = {}
+        self._capture_done = False
         self._running = threading.Lock()
 
     @property
@@ -129,6 +130,7 @@ class GraphRunner:
         """Capture every batch size, largest first so smaller graphs reuse its memory pool (nothing
         to capture when the runner runs batches eagerly)."""
         if not self.replay_captured:
+            self._capture_done = True
             return
         tpr = self.tokens_per_request
         memory_pool = self.backend.graph_memory_pool()
@@ -148,6 +150,7 @@ class GraphRunner:
                 graph.tp_group = self.tp_group  # every rank warms up, then captures after a barrier
             outputs = graph.capture(functools.partial(self.forward, inputs, metadata), memory_pool=memory_pool)
             self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
+        self._capture_done = True
 
     def run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:
         """Replay the smallest captured size >= the batch (eagerly above the largest); real rows only."""
@@ -188,8 +191,8 @@ class GraphRunner:
             raise SpecError(f"GraphRunner: every request must have {tpr} tokens, got q_lens {metadata.q_lens_cpu}")
         self._check_inputs(inputs, b * tpr)
         metadata.check_against(self.attention.pool)  # the eager path checks the same in every kernel call
-        if not self.replay_captured:
-            return self.forward(inputs, metadata)
+        # A runner that runs batches eagerly refuses exactly what a replaying one refuses, so engine
+        # code tested on one backend behaves alike on every other.
         bs = self.padded_batch_size(b)
         too_long = metadata.block_table.shape[1] > self.max_pages_per_request
         if bs is None or too_long:
@@ -201,8 +204,10 @@ class GraphRunner:
                 )
                 raise BatchTooLargeError(f"GraphRunner: {what} and eager_fallback is off")
             return self.forward(inputs, metadata)
-        if not self._captured:
+        if not self._capture_done:
             raise GraphError("GraphRunner.run: capture() first")
+        if not self.replay_captured:
+            return self.forward(inputs, metadata)
         entry = self._captured[bs]
         padded = pad_metadata(metadata, bs, fill=self.fill, max_pages=self.max_pages_per_request, q_len=tpr)
         copies = [(entry.inputs[name][: b * tpr], value) for name, value in inputs.items()]

@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from hal.allocator import KVAllocator, RequestPageTable
-from hal.errors import GraphError
+from hal.errors import BatchTooLargeError, GraphError
 from hal.graph_runner import GraphRunner
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import AttentionKernel, Backend
@@ -350,9 +350,47 @@ def graph_checks(quick: bool) -> list[Check]:
         features += ("graph: padded batch", "graph: eager fallback", "graph: batch/kv lens change between replays")
         checks.append(Check(f"graph loop {cfg.label}", features, functools.partial(_check_loop, cfg=cfg)))
     checks.append(Check("graph replay before capture", ("errors: graph misuse",), _check_graph_misuse))
+    checks.append(Check("graph runner contract", ("errors: graph misuse",), _check_runner_contract))
     return checks
 
 
 def _check_graph_misuse(backend: Backend) -> None:
     graph = backend.create_graph()
     expect_error(GraphError, lambda: graph.replay(), "Graph.replay() before capture()")
+
+
+def _check_runner_contract(backend: Backend) -> None:
+    """``hal.GraphRunner`` refuses, on every backend (whether it replays graphs or runs batches
+    eagerly), what a replaying runner refuses with eager fallback off, with the same error class
+    and message and before anything is written: a run before ``capture()``, a batch larger than
+    the largest captured size, a block table wider than captured."""
+    dtype, d, ps = torch.bfloat16, 128, 16  # every built-in kernel takes bf16, head dim 128, pages of 16
+    layer = LayerSpec(0, 2, 1, d, d, scaling=d**-0.5)
+    pool = backend.create_kv_pool(KVPoolSpec(1, 8 * ps, ps, 1, d, d, dtype))
+    attention = backend.create_attention(pool)
+
+    def forward(inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        return attention.forward(inputs["q"], inputs["k"], inputs["v"], layer, metadata)
+
+    runner = GraphRunner(
+        backend, forward, attention=attention, mode=ForwardMode.DECODE, tokens_per_request=1, batch_sizes=[1, 2],
+        max_pages_per_request=2, inputs={"q": ((2, d), dtype), "k": ((1, d), dtype), "v": ((1, d), dtype)}, eager_fallback=False,
+    )  # fmt: skip
+
+    def run(batch: int, pages: int) -> Callable[[], Any]:
+        metadata = build_metadata(
+            ForwardMode.DECODE, kv_lens=[3] * batch, q_lens=[1] * batch, page_table=[[1 + b] for b in range(batch)],
+            out_cache_loc=[(1 + b) * ps + 2 for b in range(batch)], pool=pool, max_pages=pages,
+        )  # fmt: skip
+        inputs = {name: randn((batch, h, d), dtype, "runner contract", name, batch).to(pool.device) for name, h in (("q", 2), ("k", 1), ("v", 1))}
+        return lambda: runner.run(inputs, metadata)
+
+    before = snapshot(pool)
+    expect_error(GraphError, run(1, 2), "GraphRunner.run before capture()", mentions=("capture() first",))
+    runner.capture()
+    before = assert_only_rows_changed(pool, before, {}, "GraphRunner.capture")  # padding rows only write page 0
+    expect_error(BatchTooLargeError, run(3, 2), "GraphRunner.run of 3 requests, captured 1 and 2",
+                 mentions=("batch of 3 is larger than every captured graph [1, 2]",))  # fmt: skip
+    expect_error(BatchTooLargeError, run(1, 3), "GraphRunner.run with a block table of 3 pages, captured 2",
+                 mentions=("block table of 3 pages exceeds the captured 2",))  # fmt: skip
+    assert_only_rows_changed(pool, before, {}, "refused GraphRunner.run calls")
