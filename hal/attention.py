@@ -39,8 +39,8 @@ class AttentionKernelBase:
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, v_head_dim]
+        k: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None only with save_kv_cache=False
+        v: torch.Tensor | None,  # [T, num_kv_heads, v_head_dim]; likewise
         layer: LayerSpec,
         metadata: AttentionMetadata,
         save_kv_cache: bool = True,
@@ -48,9 +48,10 @@ class AttentionKernelBase:
         sinks: torch.Tensor | None = None,  # [num_q_heads], when layer.has_sinks
     ) -> torch.Tensor:  # [T, num_q_heads, v_head_dim]
         """Validate, check support, write the new K/V, then attend over the paged cache."""
-        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks)
+        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks, save_kv_cache)
         self.check_supported(layer, metadata)
         if save_kv_cache:
+            assert k is not None and v is not None  # validate_attention_call checked them
             self.pool.set_kv_for_forward(layer.layer_id, metadata, k, v)
         return self._attend(q, layer, metadata, sinks)
 

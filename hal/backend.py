@@ -7,12 +7,14 @@ memory pool its graphs share. ``is_available`` and the three factories come from
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import torch
 
+from hal.errors import SpecError
 from hal.graph import EagerGraph, GraphBase
-from hal.kv_pool import SplitKVPool
+from hal.kv_pool import SplitKVPool, check_pool_size
 from hal.protocols import Availability, AttentionKernel, KVPool
 from hal.spec import KVPoolSpec
 
@@ -62,8 +64,22 @@ class BackendBase:
         """``probe().available``."""
         return cls.probe().available
 
+    def memory_bytes(self) -> int | None:
+        """The device's memory in bytes (None when the backend cannot tell): the host's physical
+        memory for tensors on the host."""
+        if self.device.type == "cpu":
+            try:
+                return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):
+                return None
+        return None
+
     def create_kv_pool(self, spec: KVPoolSpec) -> KVPool:
-        """A split-K/V paged pool of ``kv_pool_class`` on this backend's device."""
+        """A split-K/V paged pool of ``kv_pool_class`` on this backend's device; a spec whose
+        buffers would not fit the device is refused (``PoolTooLargeError``) before allocating."""
+        if not isinstance(spec, KVPoolSpec):
+            raise SpecError(f"create_kv_pool: spec must be a hal.KVPoolSpec, got {type(spec).__name__}")
+        check_pool_size(spec, self.memory_bytes())
         return self.kv_pool_class(spec, self.device)
 
     def create_attention(self, pool: KVPool) -> AttentionKernel:

@@ -31,6 +31,10 @@ class CacheLocationError(KVLayoutError, IndexError):
     """A KV cache location lies outside the pool, or in an unmapped SWA page."""
 
 
+class PoolTooLargeError(HalError, MemoryError):
+    """A KV pool would need more bytes than its device has (or than a tensor can hold)."""
+
+
 class OutOfPagesError(HalError, RuntimeError):
     """The page allocator has fewer free pages than requested."""
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hal.errors import CacheLocationError, KVLayoutError
+from hal.errors import CacheLocationError, KVLayoutError, PoolTooLargeError
 from hal.graph import is_capturing
 from hal.spec import KVPoolSpec
 
@@ -42,14 +42,11 @@ class SplitKVPool:
             self._where[layer] = ("swa", i)
         self._k: dict[str, torch.Tensor] = {}
         self._v: dict[str, torch.Tensor] = {}
-        if full_ids:
-            self._k["full"] = self._allocate((len(full_ids), spec.num_pages + 1, ps, spec.kv_heads, spec.head_dim))
-            self._v["full"] = self._allocate((len(full_ids), spec.num_pages + 1, ps, spec.kv_heads, spec.v_head_dim))
-        if spec.swa is not None:
-            s = spec.swa
-            n = spec.swa_num_pages + 1
-            self._k["swa"] = self._allocate((len(swa_ids), n, ps, s.kv_heads, s.head_dim))
-            self._v["swa"] = self._allocate((len(swa_ids), n, ps, s.kv_heads, s.v_head_dim))
+        shapes = spec.buffer_shapes()
+        check_pool_size(spec, None)
+        for name, (k_shape, v_shape) in shapes.items():
+            self._k[name] = self._allocate(k_shape)
+            self._v[name] = self._allocate(v_shape)
         # Per-layer views into the sub-pool tensors (no copies), indexed by global layer id.
         self._k_views = [self._k[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
         self._v_views = [self._v[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
@@ -241,6 +238,29 @@ class SplitKVPool:
         """K and V rows at ``slots`` of the layer's own sub-pool (already translated and checked)."""
         self._write_rows(self._k_rows[layer], slots, k)
         self._write_rows(self._v_rows[layer], slots, v)
+
+
+# The most elements one tensor may hold: torch counts storage bytes in an int64.
+_MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def check_pool_size(spec: KVPoolSpec, device_bytes: int | None) -> None:
+    """Raise ``PoolTooLargeError`` naming the bytes ``spec`` needs when one of its buffers cannot
+    be a tensor, or (``device_bytes``: the device's memory, when known) when they exceed it."""
+    need = spec.pool_bytes()
+    elem = torch.empty((), dtype=spec.dtype).element_size()
+    for name, pair in spec.buffer_shapes().items():
+        for shape in pair:
+            if math.prod(shape) * elem > _MAX_TENSOR_BYTES:
+                raise PoolTooLargeError(
+                    f"KV pool of {spec.size} tokens: its {name} buffer {shape} would take {math.prod(shape) * elem} bytes, "
+                    f"more than a tensor can hold ({_MAX_TENSOR_BYTES}); the pool needs {need} bytes in all"
+                )
+    if device_bytes is not None and need > device_bytes:
+        raise PoolTooLargeError(
+            f"KV pool of {spec.size} tokens needs {need} bytes ({need / 2**30:.1f} GiB), "
+            f"more than the device's {device_bytes} bytes ({device_bytes / 2**30:.1f} GiB)"
+        )
 
 
 # index_copy_ moves one element at a time: rows reinterpreted as 16-byte elements copy the same

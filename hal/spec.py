@@ -242,6 +242,25 @@ class KVPoolSpec:
             return self.swa.kv_heads, self.swa.head_dim, self.swa.v_head_dim
         return self.kv_heads, self.head_dim, self.v_head_dim
 
+    def buffer_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The (K, V) buffer shape of each sub-pool (``"full"``, ``"swa"``): ``[layers, pages + 1,
+        page_size, kv_heads, dim]``, page 0 the padding page."""
+        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        full = self.full_layer_ids
+        if full:
+            rows = (len(full), self.num_pages + 1, self.page_size, self.kv_heads)
+            shapes["full"] = ((*rows, self.head_dim), (*rows, self.v_head_dim))
+        if self.swa is not None:
+            s = self.swa
+            rows = (len(s.layer_ids), self.swa_num_pages + 1, self.page_size, s.kv_heads)
+            shapes["swa"] = ((*rows, s.head_dim), (*rows, s.v_head_dim))
+        return shapes
+
+    def pool_bytes(self) -> int:
+        """Bytes the pool's buffers take, padding pages included."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) * elem for pair in self.buffer_shapes().values() for shape in pair)
+
     def bytes_per_token(self) -> int:
         """K + V bytes one token occupies, summed over every layer."""
         elem = torch.empty((), dtype=self.dtype).element_size()

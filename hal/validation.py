@@ -18,14 +18,24 @@ def validate_attention_call(
     layer: LayerSpec,
     metadata: AttentionMetadata,
     sinks: torch.Tensor | None,
+    save_kv_cache: bool = True,
 ) -> None:
     """Raise a typed error naming the first argument that does not fit ``layer``, ``pool`` and
-    ``metadata`` (types, shapes, dtypes, devices, SWA routing, slot and page ids)."""
+    ``metadata`` (types, shapes, dtypes, devices, SWA routing, slot and page ids). ``k`` and ``v``
+    may be None only when nothing is saved."""
     if not isinstance(layer, LayerSpec):
         raise SpecError(f"layer must be a hal.LayerSpec, got {type(layer).__name__}")
     if not isinstance(metadata, AttentionMetadata):
         raise SpecError(f"metadata must be a hal.AttentionMetadata (see hal.build_metadata), got {type(metadata).__name__}")
+    if not isinstance(save_kv_cache, bool):
+        raise SpecError(f"layer {layer.layer_id}: save_kv_cache must be a bool, got {save_kv_cache!r}")
+    required = ("q", "k", "v") if save_kv_cache else ("q",)
     for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
+        if x is None and name in required:
+            raise SpecError(
+                f"layer {layer.layer_id}: {name} must be a torch.Tensor, got None"
+                + ("" if name == "q" else " (k and v may be None only with save_kv_cache=False)")
+            )
         if x is not None and not isinstance(x, torch.Tensor):
             raise SpecError(f"layer {layer.layer_id}: {name} must be a torch.Tensor, got {type(x).__name__}")
     t = metadata.num_tokens

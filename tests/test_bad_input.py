@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import hal
 from hal.allocator import KVAllocator, PageAllocator, RequestPageTable
 from hal.backends.npu import emulator
-from hal.errors import CacheLocationError, GraphError, HalError, KVLayoutError, SpecError, UnsupportedConfigError
+from hal.errors import CacheLocationError, GraphError, HalError, KVLayoutError, PoolTooLargeError, SpecError, UnsupportedConfigError
 from hal.graph_runner import GraphRunner
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
@@ -399,6 +399,10 @@ MUTATIONS: dict[str, Callable[[World, Any], tuple[Callable[[], Any], type[HalErr
     "k head dim": lambda w, n: (lambda: w.forward_swa(k=w.k[..., :n]), SpecError, f"k has shape (2, 2, {n})"),
     "v rows": lambda w, n: (lambda: w.forward_swa(v=w.v[:1].expand(n + 3, 2, D)), SpecError, f"v has shape ({n + 3}, 2, {D})"),
     "q type": lambda w, _: (lambda: w.forward_swa(q=w.q.tolist()), SpecError, "q must be a torch.Tensor, got list"),
+    "q None": lambda w, _: (lambda: w.forward_swa(q=None), SpecError, "q must be a torch.Tensor, got None"),
+    "k None while saving": lambda w, _: (lambda: w.forward_swa(k=None), SpecError, "k must be a torch.Tensor, got None (k and v may be None only with save_kv_cache=False)"),
+    "pool size overflows": lambda w, n: (lambda: w.backend.create_kv_pool(KVPoolSpec(2, PAGE << (55 + n % 4), PAGE, 1, D, D)), PoolTooLargeError, "more than a tensor can hold"),
+    "pool above device memory": lambda w, n: (lambda: w.backend.create_kv_pool(KVPoolSpec(2, PAGE << (36 + n % 8), PAGE, 1, D, D)), PoolTooLargeError, "more than the device's"),
     "q device": lambda w, _: (lambda: w.forward_swa(q=w.q.to("meta")), KVLayoutError, "q is on meta"),
     "sinks shape": lambda w, n: (lambda: w.forward_swa(sinks=w.sinks[:1].expand(n + HQ + 1)), SpecError, f"sinks have shape ({n + HQ + 1},)"),
     "sinks missing": lambda w, _: (lambda: w.forward_swa(sinks=None), SpecError, "has_sinks=True but sinks were not given"),

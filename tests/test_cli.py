@@ -65,3 +65,56 @@ def test_installed_names_live_under_hal_only(tmp_path: Path) -> None:
     assert proc.stdout.splitlines() == ["[True, True]", "hal.backends.npu hal.speculative.mtp"]
     fail = _python("import backends", cwd=tmp_path)
     assert fail.returncode != 0 and "No module named 'backends'" in fail.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hal.speculative import TinyConfig, TinyMiMo
+
+    return Path(TinyMiMo(TinyConfig(num_layers=2, num_mtp_layers=1)).save_pretrained(tmp_path_factory.mktemp("tiny")))
+
+
+def _bad_invocations(model: Path, tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "not.json").write_text("[[1, 2")
+    (tmp / "oov.json").write_text("[[1, 2, 100000]]")
+    return [
+        (["generate", "--model", str(model), "--prompts-file", str(tmp / "not.json")], "not JSON"),
+        (["generate", "--model", str(model), "--prompts-file", str(tmp / "oov.json")], "token id 100000 is outside the vocabulary"),
+        (["generate", "--model", str(model), "--prompts-file", str(tmp / "missing.json")], "No such file"),
+        (["generate", "--model", str(model), "--prompt-ids", "1,2", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be an int >= 1, got '-5'"),
+        (["generate", "--model", str(model), "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated ints"),
+        (["generate", "--model", str(tmp / "nowhere"), "--prompt-ids", "1,2"], "nowhere"),
+        (["generate", "--model", str(model), "--prompt-ids", "1,2", "--tp-timeout", "nan"], "argument --tp-timeout: must be a number > 0"),
+        (["demo", "--batch-size", "0"], "argument --batch-size: must be an int >= 1, got '0'"),
+        (["demo", "--device", "nosuch"], "unknown device 'nosuch'"),
+        (["bench", "--repeats", "two"], "argument --repeats: must be an int >= 1, got 'two'"),
+        (["conformance", "--device", "nosuch"], "unknown device 'nosuch'"),
+    ]
+
+
+def test_bad_options_and_files_are_one_line_never_a_traceback(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Through the CLI entry point: one line on stderr naming the option or file, a non-zero exit,
+    and for generate nothing loaded (the checks run against config.json first)."""
+    for argv, names in _bad_invocations(tiny_checkpoint, tmp_path):
+        proc = subprocess.run([sys.executable, "-m", "hal.tools.cli", *argv], capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, (argv, proc.stderr)
+        assert names in lines[0] and proc.stdout == "", (argv, lines[0])
+
+
+def test_progress_is_drawn_only_on_a_terminal() -> None:
+    import io
+
+    from hal.tools.demo import progress_printer
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    log, tty = io.StringIO(), Terminal()
+    for stream in (log, tty):
+        show = progress_printer(stream)
+        for done in range(31):
+            show("loading weights", done, 30, None)
+    assert log.getvalue().count("\n") == 1 and "\r" not in log.getvalue() and log.getvalue().startswith("loading weights")
+    assert tty.getvalue().count("\r") == 31 and tty.getvalue().endswith("30/30\n")

@@ -60,6 +60,12 @@ class CudaBackend(BackendBase):
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device() if index is None else index)
 
+    def memory_bytes(self) -> int | None:
+        """The GPU's total memory (the host's under emulation)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+        return super().memory_bytes()
+
     @classmethod
     def install_emulation(cls) -> None:
         """Run the Triton kernels on CPU tensors in the Triton interpreter (process-wide, explicit only).

@@ -50,6 +50,12 @@ class NpuBackend(BackendBase):
     def _tensor_device(self, index: int | None) -> torch.device:
         return runtime.tensor_device(index)
 
+    def memory_bytes(self) -> int | None:
+        """The NPU's total memory (``torch.npu.mem_get_info``; the host's under the emulator)."""
+        if self.device.type == "npu":
+            return int(runtime.npu().mem_get_info(self.device)[1])
+        return super().memory_bytes()
+
     @classmethod
     def probe(cls) -> Availability:
         """Cheap: asks ``torch.npu`` only once torch_npu is imported; before that, counts the

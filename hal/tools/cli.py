@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hal
 from hal.errors import BackendUnavailableError, HalError
@@ -25,8 +25,37 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate", action="store_true", help="run the backend on its CPU emulator (npu, cuda)")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line on stderr (``hal generate: argument --x: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def _threads_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _info_options(parser: argparse.ArgumentParser) -> None:
@@ -36,13 +65,13 @@ def _info_options(parser: argparse.ArgumentParser) -> None:
 def add_demo_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``hal demo`` (also taken by benchmarks/spec_decode.py)."""
     _device_options(parser)
-    parser.add_argument("--num-steps", type=int, default=3, help="MTP draft steps S (default: 3)")
-    parser.add_argument("--train-steps", type=int, default=None, help="MTP distillation steps (default: DistillConfig's)")
-    parser.add_argument("--train-sequences", type=int, default=None,
+    parser.add_argument("--num-steps", type=positive_int, default=3, help="MTP draft steps S (default: 3)")
+    parser.add_argument("--train-steps", type=positive_int, default=None, help="MTP distillation steps (default: DistillConfig's)")
+    parser.add_argument("--train-sequences", type=positive_int, default=None,
                         help="greedy continuations to distil on (default: DistillConfig's)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--batch-size", type=int, default=4, help="number of prompts")
-    parser.add_argument("--page-size", type=int, default=128, help="KV page size (128 is legal on every backend)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per request")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="number of prompts")
+    parser.add_argument("--page-size", type=positive_int, default=128, help="KV page size (128 is legal on every backend)")
     parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
     _threads_option(parser)
@@ -65,7 +94,7 @@ def _bench_options(parser: argparse.ArgumentParser) -> None:
     _device_options(parser)
     parser.add_argument("--out", default="bench-results", type=Path, help="directory for results.md/.csv/.png (default: ./bench-results)")
     parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed samples per side (default 15, quick 5)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed samples per side (default 15, quick 5)")
     parser.add_argument("--speculative", action="store_true",
                         help="also time plain greedy vs the MTP worker (distils the MTP blocks once)")
     parser.add_argument("--plain", action="store_true",
@@ -82,15 +111,15 @@ def _generate_options(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompt-ids", help="one prompt as comma-separated token ids, e.g. 1,2,3")
     prompts.add_argument("--prompts-file", type=Path, help="a JSON list of token-id lists")
     prompts.add_argument("--prompt", action="append", help="a text prompt (repeatable; needs DIR/tokenizer.json)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default: 32)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt (default: 32)")
     parser.add_argument("--speculative", choices=["none", "mtp"], default="none", help="MTP speculative decoding (default: none)")
-    parser.add_argument("--num-draft-steps", type=int, default=1, help="MTP draft steps S with --speculative mtp (default: 1)")
+    parser.add_argument("--num-draft-steps", type=positive_int, default=1, help="MTP draft steps S with --speculative mtp (default: 1)")
     parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
-    parser.add_argument("--page-size", type=int, default=None, help="KV page size (default: the backend's)")
-    parser.add_argument("--tp", type=int, default=1,
+    parser.add_argument("--page-size", type=positive_int, default=None, help="KV page size (default: the backend's)")
+    parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor-parallel ranks: N local processes on the device type, over its collective (default: 1)")
-    parser.add_argument("--tp-timeout", type=float, default=60.0,
+    parser.add_argument("--tp-timeout", type=positive_float, default=60.0,
                         help="seconds a collective waits for its peers before the rank fails (default: 60)")
     _threads_option(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
@@ -108,7 +137,7 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hal`` parser with one sub-command per entry of ``COMMANDS`` (imports no implementation)."""
-    parser = argparse.ArgumentParser(prog="hal", description="hal: hardware abstraction layer for LLM inference engines")
+    parser = _Parser(prog="hal", description="hal: hardware abstraction layer for LLM inference engines")
     parser.add_argument("--version", action="version", version=f"hal {hal.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text, add_options) in COMMANDS.items():

@@ -37,18 +37,22 @@ PHASE_LABELS = {"data": "generating training data", "train": "distilling MTP blo
 
 
 def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], None]:
-    """A one-line text progress bar per phase, redrawn only when the bar grows."""
+    """A one-line text progress bar per phase, redrawn only when the bar grows. On a stream that
+    is not a terminal (a log file, a pipe) it writes one line per phase, when the phase ends."""
     width = 30
     drawn: dict[str, int] = {}
+    terminal = bool(getattr(stream, "isatty", lambda: False)())
 
     def show(phase: str, done: int, total: int, loss: float | None) -> None:
+        if not terminal and done != total:
+            return
         filled = width * done // max(total, 1)
         if drawn.get(phase) == filled and done != total:
             return
         drawn[phase] = filled
         label = PHASE_LABELS.get(phase, phase)
         tail = f" loss {loss:.3f}" if loss is not None else ""
-        stream.write(f"\r{label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}")
+        stream.write(f"{chr(13) if terminal else ''}{label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}")
         if done == total:
             stream.write("\n")
         stream.flush()

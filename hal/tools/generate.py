@@ -21,6 +21,7 @@ from hal.errors import CheckpointError, SpecError
 from hal.registry import backend_class, parse_device
 from hal.speculative import GenerationResult, GreedyDecoder, MultiLayerEagleWorker
 from hal.speculative.mimo import MiMoV2Flash
+from hal.speculative.mimo_config import MiMoConfig
 from hal.tools.cli import backend_from_args
 from hal.tools.demo import progress_printer, with_kv_dtype
 from hal.tools.tp_launch import run_ranks
@@ -48,7 +49,12 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
         except ValueError:
             raise SpecError(f"--prompt-ids must be comma-separated ints, got {args.prompt_ids!r}") from None
     if args.prompts_file:
-        prompts = json.loads(Path(args.prompts_file).read_text())
+        try:
+            prompts = json.loads(Path(args.prompts_file).read_text())
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"--prompts-file {args.prompts_file}: not JSON ({exc})") from None
+        except UnicodeDecodeError:
+            raise SpecError(f"--prompts-file {args.prompts_file}: not a text file") from None
         ok = isinstance(prompts, list) and prompts and all(
             isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompts
         )
@@ -57,6 +63,14 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
         return prompts, None
     tokenizer = _tokenizer(Path(args.model))
     return [tokenizer.encode(text).ids for text in args.prompt], tokenizer
+
+
+def check_prompts(prompts: list[list[int]], config: MiMoConfig) -> None:
+    """Refuse a token id outside the checkpoint's vocabulary, naming the prompt and position."""
+    for i, prompt in enumerate(prompts):
+        for j, token in enumerate(prompt):
+            if not 0 <= token < config.vocab_size:
+                raise SpecError(f"prompt {i} position {j}: token id {token} is outside the vocabulary 0..{config.vocab_size - 1}")
 
 
 def decode(args: argparse.Namespace, prompts: list[list[int]]) -> GenerationResult:
@@ -103,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     """Load, decode, print (or emit one JSON object); exit 0. ``--tp N`` runs N local ranks; under
     torchrun each process is one rank and rank 0 prints."""
     prompts, tokenizer = read_prompts(args)
+    check_prompts(prompts, MiMoConfig.from_file(Path(args.model) / "config.json"))  # before any weight loads
     backend_from_args(args)  # an unknown or unavailable device fails before loading
     if not isinstance(args.tp, int) or args.tp < 1:
         raise SpecError(f"--tp must be an int >= 1, got {args.tp!r}")

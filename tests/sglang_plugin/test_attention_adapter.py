@@ -294,3 +294,53 @@ def test_a_bad_slot_is_refused_before_anything_is_written() -> None:
         world.backend.init_forward_metadata(fb)
         world.backend.forward_extend(torch.zeros(2, Q_HEADS * HEAD_DIM), torch.ones(2, KV_HEADS * HEAD_DIM), torch.ones(2, KV_HEADS * V_HEAD_DIM), layer, fb)
     assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer))
+
+
+def _fuzz_cases(world: World, n: int) -> dict[str, tuple[ForwardBatch, type[Exception], str]]:
+    """One bad ForwardBatch per kind, the error class it must raise and what the message names."""
+    def extend() -> ForwardBatch:
+        return make_batch(ForwardMode.EXTEND, world, [0, 3], [4, 9], [3, 2])
+
+    negative, oversized, short, past = extend(), extend(), extend(), extend()
+    negative.out_cache_loc = negative.out_cache_loc.clone()
+    negative.out_cache_loc[1] = -1 - n
+    oversized.out_cache_loc = oversized.out_cache_loc.clone()
+    oversized.out_cache_loc[1] = POOL_SLOTS + PAGE * (1 + n)
+    short.seq_lens_cpu = torch.tensor([4 + 3, 1 + n % 2])  # request 1: fewer keys than new rows
+    short.extend_seq_lens_cpu = [3, 3 + n % 2]
+    past.req_pool_indices = torch.tensor([0, MAX_REQS + n])
+    return {
+        "negative out_cache_loc": (negative, SpecError, f"negative slot {-1 - n}"),
+        "oversized out_cache_loc": (oversized, CacheLocationError, f"cache location {POOL_SLOTS + PAGE * (1 + n)}"),
+        "seq_lens shorter than extend_seq_lens": (short, SpecError, "need 0 <= q_len <= kv_len"),
+        "req_pool_indices row past the pool": (past, SpecError, f"req_pool_indices [{MAX_REQS + n}] outside the request table's rows 0..{MAX_REQS - 1}"),
+    }
+
+
+def test_fuzz_bad_forward_batches_are_refused_before_any_write() -> None:
+    """Bad ForwardBatch fields, with hypothesis drawing the values: each is a typed error that names
+    the value, on the eager and the graph path, and the KV is unchanged."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    world = World(HalMHATokenToKVPool, seed=8)
+    layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=0.25, num_kv_heads=KV_HEADS, layer_id=0, v_head_dim=V_HEAD_DIM)
+    world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
+
+    @settings(max_examples=24, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(kind=st.sampled_from(sorted(_fuzz_cases(world, 0))), n=st.integers(0, 40), graph=st.booleans())
+    def check(kind: str, n: int, graph: bool) -> None:
+        fb, error, names = _fuzz_cases(world, n)[kind]
+        before = [t.clone() for t in world.pool.k_buffer + world.pool.v_buffer]
+        rows = int(sum(fb.extend_seq_lens_cpu))
+        with pytest.raises(error) as info:
+            if graph:
+                world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+            else:
+                world.backend.init_forward_metadata(fb)
+            world.backend.forward_extend(torch.zeros(rows, Q_HEADS * HEAD_DIM), torch.ones(rows, KV_HEADS * HEAD_DIM),
+                                         torch.ones(rows, KV_HEADS * V_HEAD_DIM), layer, fb)  # fmt: skip
+        assert names in str(info.value), (kind, str(info.value))
+        assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer + world.pool.v_buffer)), kind
+
+    check()

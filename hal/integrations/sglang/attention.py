@@ -35,7 +35,7 @@ from hal.errors import CacheLocationError, SpecError, UnsupportedConfigError
 from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import AttentionKernel, KVPool
-from hal.spec import ForwardMode, LayerSpec
+from hal.spec import ForwardMode, LayerSpec, strict_ints
 from hal.integrations.sglang.kv_pool import mirror_swa_pages, serving_backend, store_in_hal_pool
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
@@ -102,9 +102,7 @@ def check_chain_verify(spec: Any) -> None:
 def _host_ints(values: Any, what: str) -> list[int]:
     if values is None:
         raise SpecError(f"attention backend 'hal': ForwardBatch.{what} is missing")
-    if isinstance(values, torch.Tensor):
-        return [int(x) for x in values.cpu().tolist()]
-    return [int(x) for x in values]
+    return list(strict_ints(values.cpu() if isinstance(values, torch.Tensor) else values, f"attention backend 'hal': ForwardBatch.{what}"))
 
 
 def request_lengths(forward_batch: Any) -> tuple[list[int], list[int]]:
@@ -176,7 +174,15 @@ def metadata_from_forward_batch(
     q_lens, kv_lens = request_lengths(forward_batch)
     ps = pool.spec.page_size
     width = max(kv_lens, default=0)
-    rows = req_to_token[forward_batch.req_pool_indices.long(), :width].cpu() if kv_lens else torch.zeros(0, 0)
+    requests = _host_ints(forward_batch.req_pool_indices, "req_pool_indices")
+    if len(requests) != len(kv_lens):
+        raise SpecError(f"attention backend 'hal': {len(requests)} req_pool_indices for a batch of {len(kv_lens)}")
+    bad = [r for r in requests if not 0 <= r < req_to_token.shape[0]]
+    if bad:
+        raise SpecError(f"attention backend 'hal': req_pool_indices {bad} outside the request table's rows 0..{req_to_token.shape[0] - 1}")
+    if width > req_to_token.shape[1]:
+        raise SpecError(f"attention backend 'hal': kv length {width} exceeds the request table's {req_to_token.shape[1]} positions")
+    rows = req_to_token[torch.tensor(requests, dtype=torch.long, device=req_to_token.device), :width].cpu() if kv_lens else torch.zeros(0, 0)
     page_table = page_table_from_req_to_token(rows, kv_lens, ps)
     if swa_pool is not None:
         mirror_swa_pages(swa_pool, pool, rows, kv_lens, q_lens, window)
