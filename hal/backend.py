@@ -19,6 +19,14 @@ from hal.protocols import Availability, AttentionKernel, KVPool
 from hal.spec import KVPoolSpec
 
 
+def host_memory_bytes() -> int | None:
+    """The host's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 class BackendBase:
     """Base class of ``Backend`` implementations, constructed by the registry as ``cls(index=...)``.
 
@@ -65,14 +73,9 @@ class BackendBase:
         return cls.probe().available
 
     def memory_bytes(self) -> int | None:
-        """The device's memory in bytes (None when the backend cannot tell): the host's physical
-        memory for tensors on the host."""
-        if self.device.type == "cpu":
-            try:
-                return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            except (ValueError, OSError, AttributeError):
-                return None
-        return None
+        """The device's memory in bytes (None when the backend cannot tell; backends with a memory
+        query override this): the host's physical memory for a backend whose tensors live there."""
+        return host_memory_bytes() if self.host_memory else None
 
     def create_kv_pool(self, spec: KVPoolSpec) -> KVPool:
         """A split-K/V paged pool of ``kv_pool_class`` on this backend's device; a spec whose
@@ -84,6 +87,8 @@ class BackendBase:
 
     def create_attention(self, pool: KVPool) -> AttentionKernel:
         """An ``attention_class`` kernel over ``pool``."""
+        if not isinstance(getattr(pool, "spec", None), KVPoolSpec):
+            raise SpecError(f"create_attention: pool must be a KV pool (see create_kv_pool), got {type(pool).__name__}")
         return self.attention_class(pool)  # type: ignore[no-any-return]
 
     def create_graph(self) -> GraphBase:

@@ -31,7 +31,7 @@ Adding a backend (device type ``mydev``; ``tests/oot_backend/site/hal_oot_exampl
 """
 
 from hal.attention import AttentionKernelBase
-from hal.backend import BackendBase
+from hal.backend import BackendBase, host_memory_bytes
 from hal.errors import (
     BackendUnavailableError,
     CacheLocationError,
@@ -71,6 +71,7 @@ __all__ = [
     "UnsupportedConfigError",
     "copy_into",
     "copy_rows",
+    "host_memory_bytes",
     "is_capturing",
     "paged_attention",
     "plan_attention",

@@ -69,7 +69,7 @@ def test_shard_counts_that_do_not_divide_are_named(checkpoint: Path, capsys: pyt
     with pytest.raises(SpecError, match=r"num_key_value_heads=3 neither divides by nor divides the TP size 2"):
         odd_kv.for_tensor_parallel(TPGroup(rank=0, size=2))
     assert main(["generate", "--model", str(checkpoint), "--prompt-ids", "1,2", "--tp", "0"]) != 0
-    assert "SpecError: --tp must be an int >= 1, got 0" in capsys.readouterr().err
+    assert "hal generate: argument --tp: must be an int >= 1, got '0'" in capsys.readouterr().err
 
 
 def test_per_rank_kv_bytes_of_the_published_model() -> None:

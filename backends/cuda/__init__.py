@@ -18,7 +18,7 @@ import torch
 from hal.backends.cuda.attention import CudaAttention
 from hal.backends.cuda.graph import CudaGraph
 from hal.backends.cuda.kv_pool import CudaKVPool
-from hal.sdk import Availability, BackendBase, BackendUnavailableError, EagerGraph, GraphBase
+from hal.sdk import Availability, BackendBase, BackendUnavailableError, EagerGraph, GraphBase, host_memory_bytes
 
 _INTERPRET_ENV = "TRITON_INTERPRET"
 
@@ -64,7 +64,7 @@ class CudaBackend(BackendBase):
         """The GPU's total memory (the host's under emulation)."""
         if self.device.type == "cuda":
             return int(torch.cuda.get_device_properties(self.device).total_memory)
-        return super().memory_bytes()
+        return host_memory_bytes()  # emulated: the tensors live on the host
 
     @classmethod
     def install_emulation(cls) -> None:

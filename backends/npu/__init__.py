@@ -18,7 +18,7 @@ from hal.backends.npu import runtime
 from hal.backends.npu.attention import NpuAttention
 from hal.backends.npu.graph import NpuGraph
 from hal.backends.npu.kv_pool import NpuKVPool
-from hal.sdk import Availability, BackendBase
+from hal.sdk import Availability, BackendBase, host_memory_bytes
 
 # Device nodes the Ascend driver creates, one per NPU: counted without importing torch_npu.
 DEVICE_NODES = "/dev/davinci[0-9]*"
@@ -54,7 +54,7 @@ class NpuBackend(BackendBase):
         """The NPU's total memory (``torch.npu.mem_get_info``; the host's under the emulator)."""
         if self.device.type == "npu":
             return int(runtime.npu().mem_get_info(self.device)[1])
-        return super().memory_bytes()
+        return host_memory_bytes()  # emulated: the tensors live on the host
 
     @classmethod
     def probe(cls) -> Availability:

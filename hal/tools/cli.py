@@ -164,7 +164,10 @@ def backend_from_args(args: argparse.Namespace) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; hal and file-system errors become a one-line message and exit code 1."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad option (one line on stderr)
+        return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         parser.print_help()
         return 2
