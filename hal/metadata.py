@@ -235,31 +235,15 @@ def build_metadata(
     _check_request_lengths("build_metadata", q, kv)  # before any tensor op trips on a bad length
     if isinstance(page_table, (str, bytes)) or not isinstance(page_table, (Sequence, torch.Tensor)):
         raise SpecError(f"build_metadata: page_table must be a sequence of page lists, got {type(page_table).__name__}")
-    rows = _page_rows(page_table)
-    if len(rows) != len(kv):
-        raise SpecError(f"build_metadata: page_table has {len(rows)} rows for {len(kv)} requests")
-    # A negative page id would silently wrap when a kernel indexes the pool.
     last_page = pool.spec.num_pages if pool is not None else None
-    for i, row in enumerate(rows):
-        bad = [p for p in row if p < 0 or (last_page is not None and p > last_page)]
-        if bad:
-            expected = f"0..{last_page}" if last_page is not None else ">= 0"
-            raise SpecError(f"build_metadata: page_table row {i} has page ids {bad}, expected {expected}")
     need = [-(-n // page_size) for n in kv]
-    for i, (row, n) in enumerate(zip(rows, need)):
-        if len(row) < n:
-            raise SpecError(
-                f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}"
-            )
-    width = max(need, default=0) if max_pages is None else max_pages
-    width = max(width, 1)
+    width = max(max(need, default=0) if max_pages is None else max_pages, 1)
     if max(need, default=0) > width:
         raise SpecError(f"build_metadata: max_pages={width} is below the {max(need)} pages a request needs")
-    table = torch.zeros((len(kv), width), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        used = row[:width]
-        if used:
-            table[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+    if isinstance(page_table, torch.Tensor) and page_table.dim() == 2:
+        table = _table_from_tensor(page_table, kv, need, width, page_size, last_page)
+    else:
+        table = _table_from_rows(_page_rows(page_table), kv, need, width, page_size, last_page)
     if isinstance(out_cache_loc, torch.Tensor):
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
@@ -301,6 +285,57 @@ def build_metadata(
     if pool is not None:
         metadata.check_against(pool)
     return metadata
+
+
+def _bad_page_message(row: int, bad: Sequence[int], last_page: int | None) -> str:
+    # A negative page id would silently wrap when a kernel indexes the pool.
+    expected = f"0..{last_page}" if last_page is not None else ">= 0"
+    return f"build_metadata: page_table row {row} has page ids {list(bad)}, expected {expected}"
+
+
+def _table_from_rows(
+    rows: list[list[int]], kv: Sequence[int], need: Sequence[int], width: int, page_size: int, last_page: int | None
+) -> torch.Tensor:
+    """The int32 block table ``[B, width]`` from ragged page lists, each checked."""
+    if len(rows) != len(kv):
+        raise SpecError(f"build_metadata: page_table has {len(rows)} rows for {len(kv)} requests")
+    for i, row in enumerate(rows):
+        bad = [p for p in row if p < 0 or (last_page is not None and p > last_page)]
+        if bad:
+            raise SpecError(_bad_page_message(i, bad, last_page))
+    for i, (row, n) in enumerate(zip(rows, need)):
+        if len(row) < n:
+            raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
+    table = torch.zeros((len(kv), width), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        used = row[:width]
+        if used:
+            table[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+    return table
+
+
+def _table_from_tensor(
+    pages: torch.Tensor, kv: Sequence[int], need: Sequence[int], width: int, page_size: int, last_page: int | None
+) -> torch.Tensor:
+    """The int32 block table ``[B, width]`` from a 2-D integer tensor, checked with tensor ops
+    (every row holds ``pages.shape[1]`` entries, zeros past a request's own pages)."""
+    strict_ints(pages[:0], "build_metadata: page_table[0]")  # the dtype check, no elements
+    if pages.shape[0] != len(kv):
+        raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")
+    pages = pages.to("cpu")
+    if pages.numel():
+        bad = (pages < 0) if last_page is None else ((pages < 0) | (pages > last_page))
+        if bool(bad.any()):
+            row = int(bad.any(1).nonzero()[0])
+            raise SpecError(_bad_page_message(row, pages[row][bad[row]].tolist(), last_page))
+    short = [i for i, n in enumerate(need) if pages.shape[1] < n]
+    if short:
+        i = short[0]
+        raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {pages.shape[1]} pages of {page_size}")
+    table = torch.zeros((len(kv), width), dtype=torch.int32)
+    used = min(width, pages.shape[1])
+    table[:, :used] = pages[:, :used]
+    return table
 
 
 def _page_rows(page_table: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int]]:
