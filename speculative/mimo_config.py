@@ -270,6 +270,9 @@ class _Form:
             raise CheckpointError(f"config.json: {len(layer_is_moe)} MLP layer types for {n} attention layer types")
         if "num_hidden_layers" in self.raw and self.positive("num_hidden_layers") != n:
             raise CheckpointError(f"config.json: num_hidden_layers={self.raw['num_hidden_layers']} but {n} layer types")
+        activation = self.raw.get("hidden_act", "silu")
+        if activation != "silu":  # hal's MLPs and experts compute SiLU
+            raise CheckpointError(f"config.json: hidden_act={activation!r} is not supported, expected 'silu'")
         tie = self.get("tie_word_embeddings", bool, False)
         value_scale = self.get("attention_value_scale", float, 1.0)
         if not math.isfinite(value_scale):

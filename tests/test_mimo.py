@@ -98,6 +98,7 @@ def test_transformers_and_published_forms_give_one_config(tmp_path: Path) -> Non
         ({"hidden_size": "32"}, "hidden_size='32' must be an int"),
         ({"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "rope_type='yarn' is not supported"),
         ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of the full-attention kv heads 3"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported, expected 'silu'"),
     ],
 )
 def test_bad_config_values_are_named(tmp_path: Path, change: dict[str, Any], names: str) -> None:
