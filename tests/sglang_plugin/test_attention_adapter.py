@@ -23,6 +23,8 @@ from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 
+from forward_batches import make_batch  # noqa: E402
+
 Q_HEADS, KV_HEADS, HEAD_DIM, V_HEAD_DIM = 4, 2, 16, 8
 PAGE = 4
 POOL_SLOTS = 512
@@ -78,38 +80,6 @@ def oracle(q: torch.Tensor, world: World, reqs: list[int], q_lens: list[int], kv
             out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo : p + 1]))
             row += 1
     return torch.stack(out).reshape(row, Q_HEADS * V_HEAD_DIM)
-
-
-def chain(n: int) -> types.SimpleNamespace:
-    """The spec_info fields the backend reads from a topk=1 EAGLE batch."""
-    return types.SimpleNamespace(topk=1, num_tokens_per_req=n, draft_token_num=n)
-
-
-def make_batch(mode: ForwardMode, world: World, reqs: list[int], prefix: list[int], q_lens: list[int]) -> ForwardBatch:
-    """A ForwardBatch as SGLang's scheduler fills it for ``mode`` (see the module docstring of
-    ``hal.integrations.sglang.attention`` for the lengths per mode)."""
-    kv = [p + q for p, q in zip(prefix, q_lens)]
-    loc = torch.cat([world.req_to_token[r, p:k].long() for r, p, k in zip(reqs, prefix, kv)])
-    seq_lens = prefix if mode == ForwardMode.TARGET_VERIFY else kv
-    fb = ForwardBatch(
-        forward_mode=mode,
-        batch_size=len(reqs),
-        input_ids=torch.zeros(sum(q_lens), dtype=torch.long),
-        req_pool_indices=torch.tensor(reqs, dtype=torch.long),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        out_cache_loc=loc,
-        seq_lens_sum=sum(seq_lens),
-    )
-    fb.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
-    if mode == ForwardMode.EXTEND:
-        fb.extend_seq_lens_cpu = list(q_lens)
-        fb.extend_prefix_lens_cpu = list(prefix)
-    if mode == ForwardMode.DRAFT_EXTEND_V2:  # SGLang's eager path; its graph path leaves these out
-        fb.extend_seq_lens_cpu = list(q_lens)
-        fb.extend_prefix_lens_cpu = list(prefix)
-    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
-        fb.spec_info = chain(q_lens[0])
-    return fb
 
 
 CASES = [

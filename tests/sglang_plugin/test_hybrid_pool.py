@@ -23,7 +23,9 @@ from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool, store_in_hal_po
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from forward_batches import make_batch  # noqa: E402
 
 Q_HEADS, HEAD_DIM, V_HEAD_DIM = 4, 16, 8
 KV_HEADS = {False: 1, True: 2}  # by is_swa
@@ -123,24 +125,6 @@ def oracle(q: torch.Tensor, world: HybridWorld, layer_id: int, reqs: list[int], 
             out.append(torch.einsum("hk,khd->hd", probs, v[lo : p + 1]))
             row += 1
     return torch.stack(out).reshape(row, Q_HEADS * V_HEAD_DIM)
-
-
-def make_batch(mode: ForwardMode, world: HybridWorld, reqs: list[int], prefix: list[int], q_lens: list[int]) -> ForwardBatch:
-    kv = [p + q for p, q in zip(prefix, q_lens)]
-    loc = torch.cat([world.req_to_token[r, p:k].long() for r, p, k in zip(reqs, prefix, kv)])
-    seq_lens = prefix if mode == ForwardMode.TARGET_VERIFY else kv
-    fb = ForwardBatch(
-        forward_mode=mode, batch_size=len(reqs), input_ids=torch.zeros(sum(q_lens), dtype=torch.long),
-        req_pool_indices=torch.tensor(reqs, dtype=torch.long), seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        out_cache_loc=loc, seq_lens_sum=sum(seq_lens),
-    )
-    fb.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
-    if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2):
-        fb.extend_seq_lens_cpu = list(q_lens)
-        fb.extend_prefix_lens_cpu = list(prefix)
-    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
-        fb.spec_info = types.SimpleNamespace(tree_topk=1, num_tokens_per_req=q_lens[0], draft_token_num=q_lens[0])
-    return fb
 
 
 CASES = [

@@ -1,0 +1,36 @@
+"""ForwardBatch objects as SGLang's scheduler fills them, for the adapter tests (MHA and hybrid pools)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+def chain(n: int) -> types.SimpleNamespace:
+    """The spec_info fields the backend reads from a topk=1 EAGLE batch."""
+    return types.SimpleNamespace(topk=1, num_tokens_per_req=n, draft_token_num=n)
+
+
+def make_batch(mode: ForwardMode, world: Any, reqs: list[int], prefix: list[int], q_lens: list[int]) -> ForwardBatch:
+    """A ForwardBatch for ``mode`` over ``world.req_to_token`` (see the module docstring of
+    ``hal.integrations.sglang.attention`` for the lengths per mode)."""
+    kv = [p + q for p, q in zip(prefix, q_lens)]
+    loc = torch.cat([world.req_to_token[r, p:k].long() for r, p, k in zip(reqs, prefix, kv)])
+    seq_lens = prefix if mode == ForwardMode.TARGET_VERIFY else kv
+    fb = ForwardBatch(
+        forward_mode=mode, batch_size=len(reqs), input_ids=torch.zeros(sum(q_lens), dtype=torch.long),
+        req_pool_indices=torch.tensor(reqs, dtype=torch.long), seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        out_cache_loc=loc, seq_lens_sum=sum(seq_lens),
+    )  # fmt: skip
+    fb.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+    # DRAFT_EXTEND_V2: SGLang's eager path fills the extend fields too; its graph path leaves them out.
+    if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND_V2):
+        fb.extend_seq_lens_cpu = list(q_lens)
+        fb.extend_prefix_lens_cpu = list(prefix)
+    if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        fb.spec_info = chain(q_lens[0])
+    return fb
