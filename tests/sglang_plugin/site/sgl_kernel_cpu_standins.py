@@ -111,24 +111,39 @@ def fill_accept_out_cache_loc_cpu(accept_index: torch.Tensor, out_cache_loc: tor
     accept_out_cache_loc.view(-1)[: len(kept)] = out_cache_loc[torch.tensor(kept, dtype=torch.long)].to(accept_out_cache_loc.dtype)
 
 
+def _request_spans(
+    req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, starts: list[int], ends: list[int], pool_len: int, packed: torch.Tensor
+) -> list[tuple[int, int, int, int]]:
+    """``(row, start, end, offset)`` per request, each checked: positions ``start .. end - 1`` of
+    ``req_to_token`` row ``row``, whose slots sit at ``offset ..`` of the flat ``packed`` tensor
+    (requests packed in order)."""
+    _ints("req_to_token", req_to_token, dim=2)
+    if pool_len != req_to_token.shape[1]:
+        raise StandInError(f"pool_len {pool_len} but req_to_token rows hold {req_to_token.shape[1]}")
+    rows = [int(x) for x in _ints("req_pool_indices", req_pool_indices).tolist()]
+    if not len(rows) == len(starts) == len(ends):
+        raise StandInError(f"{len(rows)} req_pool_indices for {len(starts)} requests")
+    spans, at = [], 0
+    for b, (row, start, end) in enumerate(zip(rows, starts, ends)):
+        if not 0 <= row < req_to_token.shape[0] or not 0 <= start <= end <= pool_len:
+            raise StandInError(f"request {b}: row {row}, positions {start}..{end - 1} outside req_to_token {tuple(req_to_token.shape)}")
+        spans.append((row, start, end, at))
+        at += end - start
+    if at > packed.numel():
+        raise StandInError(f"out_cache_loc holds {packed.numel()} slots, the batch needs {at}")
+    return spans
+
+
 def assign_draft_cache_locs_contiguous_cpu(
     req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
     pool_len: int, topk: int, num_cols: int,
 ) -> None:
     """``out_cache_loc[b * topk * num_cols + i] = req_to_token[req_pool_indices[b], seq_lens[b] + i]``
     for ``i < topk * num_cols``: each request's next slots, already allocated in its row."""
-    _ints("req_to_token", req_to_token, dim=2)
-    if pool_len != req_to_token.shape[1]:
-        raise StandInError(f"pool_len {pool_len} but req_to_token rows hold {req_to_token.shape[1]}")
-    rows = [int(x) for x in _ints("req_pool_indices", req_pool_indices).tolist()]
-    starts = _batch("seq_lens", seq_lens, len(rows))
-    width = topk * num_cols
-    if out_cache_loc.numel() < len(rows) * width:
-        raise StandInError(f"out_cache_loc holds {out_cache_loc.numel()} slots, needs {len(rows) * width}")
-    for b, (row, start) in enumerate(zip(rows, starts)):
-        if not 0 <= row < req_to_token.shape[0] or start < 0 or start + width > pool_len:
-            raise StandInError(f"request {b}: row {row}, slots {start}..{start + width - 1} outside req_to_token {tuple(req_to_token.shape)}")
-        out_cache_loc.view(-1)[b * width : (b + 1) * width] = req_to_token[row, start : start + width].to(out_cache_loc.dtype)
+    starts = _batch("seq_lens", seq_lens, req_pool_indices.numel())
+    ends = [start + topk * num_cols for start in starts]
+    for row, start, end, at in _request_spans(req_pool_indices, req_to_token, starts, ends, pool_len, out_cache_loc):
+        out_cache_loc.view(-1)[at : at + end - start] = req_to_token[row, start:end].to(out_cache_loc.dtype)
 
 
 def assign_req_to_token_pool_cpu(
@@ -138,20 +153,11 @@ def assign_req_to_token_pool_cpu(
     """Record newly allocated slots in the request table: request ``b``'s positions
     ``start_offset[b] .. end_offset[b] - 1`` take the next ``end - start`` entries of
     ``out_cache_loc`` (requests packed in order)."""
-    _ints("req_to_token", req_to_token, dim=2)
-    if pool_len != req_to_token.shape[1]:
-        raise StandInError(f"pool_len {pool_len} but req_to_token rows hold {req_to_token.shape[1]}")
-    rows = [int(x) for x in _ints("req_pool_indices", req_pool_indices).tolist()]
-    starts, ends = _batch("start_offset", start_offset, len(rows)), _batch("end_offset", end_offset, len(rows))
+    batch = req_pool_indices.numel()
     loc = _ints("out_cache_loc", out_cache_loc)
-    at = 0
-    for b, (row, start, end) in enumerate(zip(rows, starts, ends)):
-        if not 0 <= row < req_to_token.shape[0] or not 0 <= start <= end <= pool_len:
-            raise StandInError(f"request {b}: row {row}, positions {start}..{end - 1} outside req_to_token {tuple(req_to_token.shape)}")
-        if at + end - start > loc.numel():
-            raise StandInError(f"out_cache_loc holds {loc.numel()} slots, the batch writes more")
+    spans = _request_spans(req_pool_indices, req_to_token, _batch("start_offset", start_offset, batch), _batch("end_offset", end_offset, batch), pool_len, loc)
+    for row, start, end, at in spans:
         req_to_token[row, start:end] = loc[at : at + end - start].to(req_to_token.dtype)
-        at += end - start
 
 
 def build_tree_kernel_efficient_cpu(
@@ -275,16 +281,7 @@ def assign_extend_cache_locs_cpu(
     """Read slots out of the request table: request ``b``'s positions ``start_offset[b] ..
     end_offset[b] - 1`` go to the next ``end - start`` entries of ``out_cache_loc`` (requests
     packed in order); the inverse of ``assign_req_to_token_pool_cpu``."""
-    _ints("req_to_token", req_to_token, dim=2)
-    if pool_len != req_to_token.shape[1]:
-        raise StandInError(f"pool_len {pool_len} but req_to_token rows hold {req_to_token.shape[1]}")
-    rows = [int(x) for x in _ints("req_pool_indices", req_pool_indices).tolist()]
-    starts, ends = _batch("start_offset", start_offset, len(rows)), _batch("end_offset", end_offset, len(rows))
-    at = 0
-    for b, (row, start, end) in enumerate(zip(rows, starts, ends)):
-        if not 0 <= row < req_to_token.shape[0] or not 0 <= start <= end <= pool_len:
-            raise StandInError(f"request {b}: row {row}, positions {start}..{end - 1} outside req_to_token {tuple(req_to_token.shape)}")
-        if at + end - start > out_cache_loc.numel():
-            raise StandInError(f"out_cache_loc holds {out_cache_loc.numel()} slots, the batch reads more")
+    batch = req_pool_indices.numel()
+    spans = _request_spans(req_pool_indices, req_to_token, _batch("start_offset", start_offset, batch), _batch("end_offset", end_offset, batch), pool_len, out_cache_loc)
+    for row, start, end, at in spans:
         out_cache_loc.view(-1)[at : at + end - start] = req_to_token[row, start:end].to(out_cache_loc.dtype)
-        at += end - start
