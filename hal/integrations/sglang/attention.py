@@ -94,7 +94,7 @@ def check_chain_verify(spec: Any) -> None:
     shape = "does not say its tree's branching (no tree_topk or topk)" if topk is None else f"is a tree (tree_topk={topk})"
     raise UnsupportedConfigError(
         f"attention backend 'hal': the {kind} target-verify batch {shape}; hal verifies chains only "
-        "(tree_topk=1: EAGLE, STANDALONE or MULTI_LAYER_EAGLE with speculative_eagle_topk=1), "
+        "(tree_topk=1: EAGLE, including multi-layer EAGLE, NEXTN or STANDALONE with speculative_eagle_topk=1), "
         "a tree's custom mask is not computed"
     )
 
@@ -185,7 +185,7 @@ def metadata_from_forward_batch(
     rows = req_to_token[torch.tensor(requests, dtype=torch.long, device=req_to_token.device), :width].cpu() if kv_lens else torch.zeros(0, 0)
     page_table = page_table_from_req_to_token(rows, kv_lens, ps)
     if swa_pool is not None:
-        mirror_swa_pages(swa_pool, pool, rows, kv_lens, q_lens, window)
+        mirror_swa_pages(swa_pool, pool, rows, page_table, kv_lens, q_lens, window)
     return build_metadata(
         mode,
         kv_lens=kv_lens,

@@ -159,11 +159,14 @@ def store_in_hal_pool(sgl_pool: Any, backend: hal.Backend | None = None) -> KVPo
 
 
 def mirror_swa_pages(
-    sgl_pool: Any, pool: KVPool, rows: torch.Tensor, kv_lens: list[int], q_lens: list[int], window: int | None
+    sgl_pool: Any, pool: KVPool, rows: torch.Tensor, page_table: torch.Tensor, kv_lens: list[int], q_lens: list[int],
+    window: int | None,
 ) -> None:
     """Copy SGLang's full-to-SWA slot mapping for the pages of this batch into hal's page mapping.
 
-    ``rows`` are the batch's ``req_to_token`` rows (host, ``[B, >= max kv_len]``). SGLang maps slot
+    ``rows`` are the batch's ``req_to_token`` rows (host, ``[B, >= max kv_len]``) and ``page_table``
+    the full-pool pages ``page_table_from_req_to_token`` made of them (0 past a request's own
+    pages; page 0 is the padding page, never a request's). SGLang maps slot
     by slot and frees SWA pages outside the window; hal maps page by page. Every position a
     sliding-window layer can see this forward (``kv_len - q_len - window`` onwards; all of them
     without a window) must hold its page's SWA page at the same offset, else
@@ -194,8 +197,8 @@ def mirror_swa_pages(
             f"expected {int(expect[i, p])} (offset {p % ps} of the SWA page holding its page's first token, and not freed): "
             "a sliding-window layer reads this position"
         )
-    page_used = used[:, ::ps]
-    full_pages = torch.div(slots[:, ::ps][page_used], ps, rounding_mode="floor")
+    page_used = page_table > 0
+    full_pages = page_table[page_used]
     mirrored = swa_pages[page_used]
     if bool((mirrored > 0).any()):
         pool.map_swa_pages(full_pages[mirrored > 0], mirrored[mirrored > 0])
