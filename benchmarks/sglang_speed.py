@@ -26,32 +26,18 @@ from typing import Any
 
 import torch
 
-
-def make_llama(directory: Path) -> None:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.3, architectures=["LlamaForCausalLM"],
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+from hal.integrations.sglang import mimo_rope_override
+from hal.tools.testing import save_published_copy, save_random_llama
 
 
-def make_mimo_mtp(directory: Path, steps: int) -> None:
+def make_mimo_mtp(directory: Path, steps: int) -> Path:
     """hal's tiny MiMo-V2-Flash with ``steps`` distilled MTP layers, in SGLang's published config form."""
-    import json
-
     from hal.speculative.distill import distill
-    from hal.speculative.mimo_config import MiMoConfig
     from hal.speculative.model import TinyConfig, TinyMiMo
 
     tiny = TinyMiMo(TinyConfig(num_mtp_layers=steps))
     distill(tiny)
-    tiny.save_pretrained(directory)
-    config = directory / "config.json"
-    config.write_text(json.dumps(MiMoConfig.from_file(config).published_dict()))
+    return save_published_copy(tiny.save_pretrained(directory / "transformers"), directory / "published")
 
 
 def bench_mtp(args: argparse.Namespace) -> int:
@@ -63,16 +49,14 @@ def bench_mtp(args: argparse.Namespace) -> int:
     from hal.tools.demo import make_prompts
 
     steps = 3
-    model = Path(tempfile.mkdtemp()) / "mimo"
-    make_mimo_mtp(model, steps)
+    model = make_mimo_mtp(Path(tempfile.mkdtemp()), steps)
     config = json.loads((model / "config.json").read_text())
-    rope = {"rope_type": "default", "rope_theta": config["rope_theta"], "partial_rotary_factor": config["partial_rotary_factor"]}
     spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1,
                 speculative_num_draft_tokens=steps + 1, speculative_draft_model_path=str(model))  # fmt: skip
     def start(name: str) -> Any:
         return sglang.Engine(
             model_path=str(model), device="cpu", attention_backend="hal", dtype="float32", skip_tokenizer_init=True,
-            disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, sleep_on_idle=True, json_model_override_args=json.dumps({"rope_parameters": rope}),
+            disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, sleep_on_idle=True, json_model_override_args=mimo_rope_override(model),
             **(spec if name == "mtp" else {}),
         )
 
@@ -120,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mtp:
         return bench_mtp(args)
     model = Path(tempfile.mkdtemp()) / "llama"
-    make_llama(model)
+    save_random_llama(model, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                      max_position_embeddings=2048)
     gen = torch.Generator().manual_seed(1)
     print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} alternating pairs")
     print("| dtype | prompt | hal tok/s | torch_native tok/s | hal / torch_native (median) | spread | same tokens |")

@@ -8,8 +8,9 @@ compares outputs and the written cache with a per-dtype tolerance.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import attrs
 import torch
@@ -271,3 +272,33 @@ def spread_sinks_and_router(model: torch.nn.Module) -> None:
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 bias.normal_(0, 0.5)
+
+
+def save_published_copy(checkpoint: Path | str, directory: Path | str) -> Path:
+    """A copy of a MiMo-V2-Flash checkpoint (single safetensors file) with its config.json in the
+    published key names (``MiMoConfig.published_dict``), the form SGLang reads; returns ``directory``."""
+    import json
+    import shutil
+
+    from hal.speculative.mimo_config import MiMoConfig
+
+    source, target = Path(checkpoint), Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "model.safetensors", target / "model.safetensors")
+    (target / "config.json").write_text(json.dumps(MiMoConfig.from_file(source / "config.json").published_dict()))
+    return target
+
+
+def save_random_llama(directory: Path | str, **sizes: int) -> Path:
+    """A random fp32 Llama saved by transformers, its weights drawn with a large spread
+    (``initializer_range=0.3``) so that attention decides the greedy tokens."""
+    import transformers
+
+    fields: dict[str, Any] = {
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, **sizes,
+        "initializer_range": 0.3, "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32",
+    }  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).save_pretrained(directory)
+    return Path(directory)

@@ -23,18 +23,9 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random fp32 Llama saved by transformers."""
-    import torch
-    import transformers
+    from hal.tools.testing import save_random_llama
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, architectures=["LlamaForCausalLM"],
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_random_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def generate(model: Path, attention_backend: str, **kwargs: object) -> list[list[int]]:

@@ -4,7 +4,8 @@ transformers' ``generate`` and ``hal generate`` on the same tiny checkpoint.
 The checkpoint is saved by transformers' ``MiMoV2FlashForCausalLM`` (hybrid full/sliding-window
 layers, sinks on the sliding-window ones, qk 24 / v 8, 1 kv head on full layers and 2 on
 sliding-window ones, MoE layers with grouped sigmoid routing), then hal writes its config in the
-published form SGLang's ``models/mimo_v2.py`` reads (``MiMoConfig.published_dict``). Weights are drawn with a large spread so
+published form SGLang's ``models/mimo_v2.py`` reads (``MiMoConfig.published_dict``), loaded with
+the rope override SGLang 0.5.23 needs on a CPU (``mimo_rope_override``). Weights are drawn with a large spread so
 attention decides the tokens. SGLang's own ``torch_native`` cannot run this model (it takes no
 sinks): hal is its CPU path. The prompts are longer than the window (4 keys back), batched, share
 prefixes (radix reuse) and one is longer than the prefill chunk.
@@ -13,7 +14,6 @@ prefixes (radix reuse) and one is longer than the prefill chunk.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +26,10 @@ pytest.importorskip("sglang")
 import sglang  # noqa: E402
 import torch  # noqa: E402
 
-from hal.speculative.mimo_config import MiMoConfig  # noqa: E402
-from hal.tools.testing import spread_sinks_and_router  # noqa: E402
+from hal.integrations.sglang import mimo_rope_override  # noqa: E402
+from hal.tools.testing import save_published_copy, spread_sinks_and_router  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
-
-#: SGLang 0.5.23 hands transformers' per-layer-type rope dicts to ``get_rope``, whose cache key
-#: cannot hash them; a flat ``rope_parameters`` gets past it. Full layers take ``rope_theta``,
-#: sliding-window layers ``swa_rope_theta`` from the published config (README: Using hal from SGLang).
-ROPE_OVERRIDE = json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334}})
 
 CONFIG: dict[str, Any] = dict(
     vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
@@ -68,9 +63,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
         for prompt in PROMPTS:
             out = oracle.generate(torch.tensor([prompt]), max_new_tokens=2 * NEW_TOKENS, do_sample=False, min_new_tokens=2 * NEW_TOKENS)
             expected.append(out[0, len(prompt) :].tolist())
-    published = tmp_path_factory.mktemp("mimo-published")
-    shutil.copy(hf_dir / "model.safetensors", published / "model.safetensors")
-    (published / "config.json").write_text(json.dumps(MiMoConfig.from_file(hf_dir / "config.json").published_dict()))
+    published = save_published_copy(hf_dir, tmp_path_factory.mktemp("mimo-published"))
     assert len({tuple(t) for t in expected}) == len(PROMPTS)
     return published, expected  # 2 * NEW_TOKENS per prompt
 
@@ -78,7 +71,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
 def sglang_tokens(model: Path, **kwargs: Any) -> list[list[int]]:
     engine = sglang.Engine(
         model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, disable_cuda_graph=True,
-        random_seed=0, max_total_tokens=2048, chunked_prefill_size=CHUNK, json_model_override_args=ROPE_OVERRIDE, dtype="float32",
+        random_seed=0, max_total_tokens=2048, chunked_prefill_size=CHUNK, json_model_override_args=mimo_rope_override(model), dtype="float32",
         **kwargs,
     )
     """Greedy tokens for ``PROMPTS``, then ``NEW_TOKENS`` more for two of them, continued from the

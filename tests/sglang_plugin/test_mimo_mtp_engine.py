@@ -14,7 +14,6 @@ platform supplies is tested on the emulated Ascend backend in ``test_graph_backe
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -28,10 +27,12 @@ pytest.importorskip("sglang")
 import sglang  # noqa: E402
 import torch  # noqa: E402
 
+from hal.integrations.sglang import mimo_rope_override  # noqa: E402
 from hal.speculative.distill import distill  # noqa: E402
 from hal.speculative.mimo_config import MiMoConfig  # noqa: E402
 from hal.speculative.model import TinyConfig, TinyMiMo  # noqa: E402
 from hal.tools.demo import make_prompts  # noqa: E402
+from hal.tools.testing import save_published_copy  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,19 +53,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
             oracle.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist()
             for p in PROMPTS
         ]
-    published = tmp_path_factory.mktemp("mimo-mtp-published")
-    shutil.copy(hf_dir / "model.safetensors", published / "model.safetensors")
-    config = MiMoConfig.from_file(hf_dir / "config.json")
-    assert config.num_mtp_layers == STEPS
-    (published / "config.json").write_text(json.dumps(config.published_dict()))
+    assert MiMoConfig.from_file(hf_dir / "config.json").num_mtp_layers == STEPS
+    published = save_published_copy(hf_dir, tmp_path_factory.mktemp("mimo-mtp-published"))
     return published, expected
-
-
-def rope_override(model: Path) -> str:
-    """SGLang 0.5.23 on a CPU needs a flat rope_parameters (README: MiMo-V2-Flash in SGLang)."""
-    config = json.loads((model / "config.json").read_text())
-    return json.dumps({"rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"],
-                                           "partial_rotary_factor": config["partial_rotary_factor"]}})  # fmt: skip
 
 
 def sglang_generate(model: Path, speculative: bool) -> list[dict[str, Any]]:
@@ -74,7 +65,7 @@ def sglang_generate(model: Path, speculative: bool) -> list[dict[str, Any]]:
     ) if speculative else {}  # fmt: skip
     engine = sglang.Engine(
         model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, disable_cuda_graph=True,
-        random_seed=0, max_total_tokens=4096, json_model_override_args=rope_override(model), dtype="float32", **spec,
+        random_seed=0, max_total_tokens=4096, json_model_override_args=mimo_rope_override(model), dtype="float32", **spec,
     )
     try:
         return engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})  # type: ignore[no-any-return]

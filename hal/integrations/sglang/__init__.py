@@ -12,6 +12,9 @@ them. The SGLang internals they touch are listed in ``SGLANG_INTERNALS``.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 #: The SGLang version these adapters are tested against (``.ci/sglang``).
 TESTED_SGLANG_VERSION = "0.5.23"
 
@@ -88,3 +91,13 @@ SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
         "MultiLayerEagleDraftWorker._capture_cuda_graphs",  # its _is_npu runner choice: patches/
     ),
 }
+
+
+def mimo_rope_override(model: str | Path) -> str:
+    """The ``json_model_override_args`` SGLang 0.5.23 needs to load a MiMo-V2-Flash checkpoint in
+    the published config form on a CPU: its ``models/mimo_v2.py`` hands transformers' per-layer-type
+    rope dicts to ``get_rope``, whose cache cannot hash them. A flat ``rope_parameters`` gets past
+    it; full layers then take ``rope_theta`` and sliding-window layers ``swa_rope_theta``."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    rope = {"rope_type": "default", "rope_theta": config["rope_theta"], "partial_rotary_factor": config["partial_rotary_factor"]}
+    return json.dumps({"rope_parameters": rope})
