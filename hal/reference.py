@@ -27,6 +27,10 @@ GATHER_CHUNK_BYTES = 12 << 20
 # Query rows per tile when a request's new rows are many (prefill): with a window W a tile reads
 # W + EXTEND_TILE_ROWS keys, and on full layers later tiles read more keys than earlier ones.
 EXTEND_TILE_ROWS = 128
+# Tiles of at least this many query rows (prompt tiles), with qk == v head dims and no sinks, go
+# through torch's fused attention with a mask; on fewer rows (decode, verify, draft steps), or
+# where the head dims differ (its slow path), the explicit matmuls were measured faster.
+FUSED_MIN_ROWS = 32
 
 
 class GatherWorkspace:
@@ -281,9 +285,9 @@ def _attend_group(
             qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=1.0,
             enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
-    elif sinks is None:
-        # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompts).
-        # GQA as hal defines it: query head h reads kv head h // G.
+    elif sinks is None and dk == dv and rows >= FUSED_MIN_ROWS:
+        # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompt
+        # tiles). GQA as hal defines it: query head h reads kv head h // G.
         ctx = torch.nn.functional.scaled_dot_product_attention(
             qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=group.blocked.view(n, 1, rows, keys_per_tile).logical_not(), scale=1.0, enable_gqa=g > 1,
@@ -293,9 +297,11 @@ def _attend_group(
         qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
         scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, keys_per_tile)
         scores.masked_fill_(group.blocked, float("-inf"))
-        # the sink is one more logit in each row's softmax, with no value
-        sink = sinks.float().view(1, hkv, g, 1, 1).expand(n, hkv, g, rows, 1)
-        weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
+        if sinks is None:
+            weights = torch.softmax(scores, -1)
+        else:  # the sink is one more logit in each row's softmax, with no value
+            sink = sinks.float().view(1, hkv, g, 1, 1).expand(n, hkv, g, rows, 1)
+            weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
         ctx = _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, keys_per_tile), values.permute(0, 2, 1, 3))
         ctx = ctx.view(n, hkv, g, rows, dv)
     if group.zero_rows is not None:

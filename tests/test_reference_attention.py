@@ -249,6 +249,21 @@ def test_prompts_without_a_prefix_are_causal_squares_and_match_dense_oracle(dtyp
     assert_close(out, expect, dtype)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_prompt_tiles_through_torchs_fused_attention_match_dense_oracle(window, monkeypatch) -> None:
+    """Prompt tiles after a cached prefix (no sinks, qk == v dims) go through torch's fused
+    attention with a mask; tiles of 3 rows here, each fused."""
+    monkeypatch.setattr(reference_attention, "EXTEND_TILE_ROWS", 3)
+    monkeypatch.setattr(reference_attention, "FUSED_MIN_ROWS", 3)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(k.get("attn_mask") is not None) or sdpa(*a, **k))
+    layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5, sliding_window=window)
+    out, expect = run_reference(M.EXTEND, layer, [23, 10, 9], [12, 6, 3], page_size=4, dtype=torch.float32, seed=11)
+    assert_close(out, expect, torch.float32)
+    assert calls and all(calls)  # every tile went through the masked fused kernel
+
+
 def test_a_causal_square_refuses_sinks() -> None:
     from hal.errors import SpecError
 
