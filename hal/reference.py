@@ -96,8 +96,9 @@ def plan_attention(
     ``token_bytes`` is the fp32 K+V size of one cached token (sizes the groups against
     ``chunk_bytes``, default ``GATHER_CHUNK_BYTES``). Query row ``i`` of request ``b`` sits at
     position ``kv_lens[b] - q_lens[b] + i`` and sees keys ``j <= p`` (and ``j >= p - W``).
-    ``fused``: the layers attend without sinks (torch's fused attention, no score tensor), so a
-    prompt with no cached prefix on a full layer is one causal square rather than row tiles.
+    ``fused``: the layers attend without sinks and with equal qk and v head dims (torch's fused
+    attention, no score tensor), so a prompt with no cached prefix on a full layer is one causal
+    square rather than row tiles.
     """
     budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     ps = page_size

@@ -244,9 +244,13 @@ def test_prompts_without_a_prefix_are_causal_squares_and_match_dense_oracle(dtyp
     plan = reference_attention.plan_attention(kv_lens, q_lens, torch.zeros(4, 4, dtype=torch.int32), 4, sliding_window=None,
                                               token_bytes=64, fused=True)
     assert sorted(g.causal_square for g in plan.groups if g.causal_square) == [9, 13]
-    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5)
+    causal = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: causal.append(k.get("is_causal")) or sdpa(*a, **k))
+    layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5)  # the CPU kernel fuses equal qk and v head dims only
     out, expect = run_reference(M.EXTEND, layer, kv_lens, q_lens, page_size=4, dtype=dtype, seed=9)
     assert_close(out, expect, dtype)
+    assert causal.count(True) == 2  # the two prompts without a prefix
 
 
 @pytest.mark.parametrize("window", [None, 4])

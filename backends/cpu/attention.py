@@ -34,7 +34,9 @@ class CpuAttention(AttentionKernelBase):
     ) -> torch.Tensor:
         table = self.block_table(layer, metadata)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
-        fused = sinks is None  # torch's fused attention takes no sink logit
+        # torch's fused attention takes no sink logit, and is slower than the explicit matmuls where
+        # the qk and v head dims differ
+        fused = sinks is None and dk == dv
         key = ("reference-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
 
         def plan() -> Any:
