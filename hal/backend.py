@@ -47,6 +47,9 @@ class BackendBase:
     host_memory: ClassVar[bool] = False
     #: KV page size engines use unless told otherwise (one the backend's kernel takes for every mode).
     default_page_size: ClassVar[int] = 16
+    #: Dtype engines load model weights in unless told otherwise (what the device computes fastest
+    #: without giving up accuracy the reference needs: float32 on the host, bfloat16 on accelerators).
+    preferred_dtype: ClassVar[torch.dtype] = torch.float32
     #: Whether a replay of ``graph_class`` skips the Python that captured it. False for graphs that
     #: re-run their function (``EagerGraph``): ``hal.GraphRunner`` then runs each batch eagerly at its
     #: real size instead of padding it to a captured one and copying it into static buffers.

@@ -167,6 +167,7 @@ class Backend(Protocol):
     device_type: ClassVar[str]
     collective_backend: ClassVar[str]  # hccl / nccl / gloo
     default_page_size: ClassVar[int]  # KV page size engines use unless told otherwise
+    preferred_dtype: ClassVar[torch.dtype]  # weights' dtype engines load in unless told otherwise
     captures_graphs: ClassVar[bool]  # False: its graphs re-run Python, so runners run batches eagerly
     device: torch.device
 

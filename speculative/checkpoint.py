@@ -28,10 +28,11 @@ class Checkpoint:
 
     def __init__(self, directory: Path | str) -> None:
         try:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
         except ImportError as exc:  # an optional dependency of checkpoint loading only
             raise CheckpointError("reading checkpoints needs safetensors: pip install 'hal[mimo]'") from exc
         self._safe_open = safe_open
+        self._read_errors = (SafetensorError, OSError)
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"missing checkpoint directory: {self.directory}")
@@ -66,18 +67,27 @@ class Checkpoint:
             self._handles[file] = self._safe_open(str(file), framework="pt")
         return self._handles[file]
 
+    def _read(self, name: str, what: str) -> Any:
+        """``get_slice`` (``what="slice"``) or ``get_tensor`` of ``name`` from the file the index names;
+        a file that cannot be opened or lacks the tensor is a ``CheckpointError`` naming both."""
+        try:
+            handle = self._handle(name)
+            return handle.get_slice(name) if what == "slice" else handle.get_tensor(name)
+        except self._read_errors as exc:
+            raise CheckpointError(f"tensor {name!r}: cannot be read from {self._file_of[name]} ({exc})") from exc
+
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored shape of ``name`` (reads no data)."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._read(name, "slice").get_shape())
 
     def tensor(self, name: str) -> torch.Tensor:
         """``name``, memory-mapped; FP8 weights come back dequantized to float32."""
-        raw = self._handle(name).get_tensor(name)
+        raw = self._read(name, "tensor")
         scale_name = name + SCALE_SUFFIX
         if raw.dtype in FP8_DTYPES:
             if scale_name not in self._file_of:
                 raise CheckpointError(f"tensor {name!r} is {raw.dtype} but {scale_name!r} (its block scales) is missing")
-            return dequantize_fp8(raw, self._handle(scale_name).get_tensor(scale_name), name)
+            return dequantize_fp8(raw, self._read(scale_name, "tensor"), name)
         return raw
 
     def layer_indices(self, prefix: str) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 import torch
@@ -44,6 +44,13 @@ class KernelAttend:
         return out.to(q.dtype)
 
 
+def eos_ids(eos_token_id: int | Collection[int] | None) -> frozenset[int]:
+    """The stop tokens ``generate`` was given, as a set; anything but ints is a ``SpecError``."""
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset(strict_ints([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, "eos_token_id"))
+
+
 @attrs.define
 class Request:
     """One prompt's state in a generate call: its output, committed KV length and pending drafts."""
@@ -56,10 +63,10 @@ class Request:
     drafts: list[int] = attrs.Factory(list)
     finished: bool = False
 
-    def emit(self, tokens: Sequence[int], eos_token_id: int | None) -> None:
+    def emit(self, tokens: Sequence[int], eos_token_ids: frozenset[int]) -> None:
         for token in tokens:
             self.output.append(token)
-            if token == eos_token_id or len(self.output) >= self.max_new_tokens:
+            if token in eos_token_ids or len(self.output) >= self.max_new_tokens:
                 self.finished = True
                 return
 
@@ -244,7 +251,7 @@ class TargetEngine:
         next_tokens = self.model.logits(hidden[last_rows]).argmax(-1)
         return ids, hidden, metadata, last_rows, next_tokens
 
-    def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
+    def _run(self, requests: list[Request], eos_token_ids: frozenset[int]) -> tuple[int, list[int]]:
         raise NotImplementedError
 
     def generate(
@@ -252,19 +259,21 @@ class TargetEngine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Collection[int] | None = None,
     ) -> GenerationResult:
-        """Greedy-generate for a batch of prompts; a request stops at ``max_new_tokens`` or after EOS.
+        """Greedy-generate for a batch of prompts; a request stops at ``max_new_tokens`` or after an
+        EOS token (``eos_token_id``: one id or several, as config.json may list them).
 
         ``seconds`` in the result covers the whole call, prefill included.
         """
+        eos_token_ids = eos_ids(eos_token_id)
         requests = self._new_requests(prompts, max_new_tokens)
         if len(requests) > self.max_batch_size:
             raise SpecError(f"generate: batch of {len(requests)} exceeds max_batch_size={self.max_batch_size}")
         start = time.perf_counter()
         try:
             with torch.no_grad():
-                forwards, accept_lengths = self._run(requests, eos_token_id)
+                forwards, accept_lengths = self._run(requests, eos_token_ids)
             self.backend.synchronize()
         finally:
             for r in requests:
@@ -286,11 +295,11 @@ class GreedyDecoder(TargetEngine):
             {"input_ids": ((), torch.int64)},
         )
 
-    def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
+    def _run(self, requests: list[Request], eos_token_ids: frozenset[int]) -> tuple[int, list[int]]:
         _, _, _, _, next_tokens = self._prefill_target(requests)
         for r, token in zip(requests, self.tp.broadcast(next_tokens).tolist()):
             r.committed = len(r.prompt)
-            r.emit([token], eos_token_id)
+            r.emit([token], eos_token_ids)
         forwards = 1
         active = [r for r in requests if not r.finished]
         ids = self.keep_rows(next_tokens, requests, active)  # each request's last token, on the device
@@ -300,7 +309,7 @@ class GreedyDecoder(TargetEngine):
             forwards += 1
             for r, token in zip(active, tokens.tolist()):  # the step's one read-back
                 r.committed += 1
-                r.emit([token], eos_token_id)
+                r.emit([token], eos_token_ids)
                 if r.finished:
                     self._finish(r)
             still = [r for r in active if not r.finished]

@@ -58,9 +58,10 @@ class Attention(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.shape, self.spec, self.value_scale = shape, spec, config.attention_value_scale
-        self.q_proj = nn.Linear(h, shape.num_q_heads * shape.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, shape.num_kv_heads * shape.v_head_dim, bias=False)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, shape.num_q_heads * shape.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, shape.num_kv_heads * shape.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, shape.num_kv_heads * shape.v_head_dim, bias=bias)
         self.o_proj = nn.Linear(shape.num_q_heads * shape.v_head_dim, h, bias=False)
         self.attention_sink_bias = nn.Parameter(torch.zeros(shape.num_q_heads)) if shape.has_sinks else None
         self.rotary = Rotary(shape)
@@ -219,6 +220,12 @@ class MiMoV2Flash(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(config, config.mtp_layer_spec(k), tp) for k in range(config.num_mtp_layers))
+        self.tie_embeddings()
+
+    def tie_embeddings(self) -> None:
+        """With ``tie_word_embeddings`` the lm_head is the embedding (one parameter; ``to_empty`` unties it)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     # -- the engines' interface -------------------------------------------------------------
     def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -242,7 +249,8 @@ class MiMoV2Flash(nn.Module):
         holds (``shard``, None: all of it)."""
         yield "model.embed_tokens.weight", self.embed_tokens.weight, None, None
         yield "model.norm.weight", self.norm.weight, None, None
-        yield "lm_head.weight", self.lm_head.weight, None, None
+        if not self.config.tie_word_embeddings:
+            yield "lm_head.weight", self.lm_head.weight, None, None
         shards = _Shards(self.source_config, self.tp)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
@@ -277,12 +285,16 @@ class MiMoV2Flash(nn.Module):
             with torch.device("meta"):
                 model = cls(config, tp)
             model = model.to_empty(device="cpu").to(dtype)
+            model.tie_embeddings()
             model.keep_router_in_float32()
             model.rotary_buffers_reset()
             targets = list(model.checkpoint_tensors())
             expected = {name for name, _, _, _ in targets}
             unused_mtp = {f"model.mtp.layers.{k}." for k in range(config.num_mtp_layers, stored_mtp)}
             unexpected = sorted(n for n in ckpt.names - expected if not any(n.startswith(p) for p in unused_mtp))
+            if config.tie_word_embeddings and "lm_head.weight" in unexpected:
+                raise CheckpointError(f"{directory} stores lm_head.weight, but config.json says tie_word_embeddings=true "
+                                      "(the lm_head is the embedding)")
             if unexpected:
                 raise CheckpointError(f"unexpected tensors in {directory}: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
             missing = sorted(expected - ckpt.names)
@@ -367,6 +379,11 @@ def _block_tensors(
     yield f"{prefix}self_attn.k_proj.weight", attn.k_proj.weight, None, shards.kv(kind, shape.head_dim)
     yield f"{prefix}self_attn.v_proj.weight", attn.v_proj.weight, None, shards.kv(kind, shape.v_head_dim)
     yield f"{prefix}self_attn.o_proj.weight", attn.o_proj.weight, None, shards.q(kind, 1, shape.v_head_dim)
+    if shards.config.attention_bias:
+        assert attn.q_proj.bias is not None and attn.k_proj.bias is not None and attn.v_proj.bias is not None
+        yield f"{prefix}self_attn.q_proj.bias", attn.q_proj.bias, None, shards.q(kind, 0, shape.head_dim)
+        yield f"{prefix}self_attn.k_proj.bias", attn.k_proj.bias, None, shards.kv(kind, shape.head_dim)
+        yield f"{prefix}self_attn.v_proj.bias", attn.v_proj.bias, None, shards.kv(kind, shape.v_head_dim)
     if attn.attention_sink_bias is not None:
         yield f"{prefix}self_attn.attention_sink_bias", attn.attention_sink_bias, None, shards.q(kind, 0, 1)
     mlp = block.mlp

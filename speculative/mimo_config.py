@@ -72,19 +72,30 @@ class MiMoConfig:
     num_mtp_layers: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False  # q/k/v projections carry biases (o_proj never does)
 
     def __attrs_post_init__(self) -> None:
-        for kind, shape in (("full-attention", self.full), ("sliding-window", self.swa)):
+        for kind, shape in self.used_shapes():
             if shape.num_q_heads % shape.num_kv_heads:
                 raise CheckpointError(
                     f"config.json: num_attention_heads={shape.num_q_heads} is not a multiple of the {kind} kv heads "
                     f"{shape.num_kv_heads}"
                 )
+        if (any(self.layer_is_swa) or self.num_mtp_layers) and self.sliding_window <= 0:
+            raise CheckpointError(f"config.json: sliding-window and MTP layers need a window, got {self.sliding_window}")
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_is_swa)
+
+    def used_shapes(self) -> list[tuple[str, AttentionShape]]:
+        """The attention shapes some layer has: full if a target layer is full, sliding-window if a
+        target layer is or there are MTP layers (their attention is SWA)."""
+        used = [("full-attention", self.full)] if not all(self.layer_is_swa) else []
+        if any(self.layer_is_swa) or self.num_mtp_layers:
+            used.append(("sliding-window", self.swa))
+        return used
 
     def attention(self, layer: int) -> AttentionShape:
         """The attention shape of target layer ``layer``."""
@@ -175,8 +186,8 @@ class MiMoConfig:
             "attention_value_scale": self.attention_value_scale, "rope_theta": self.full.rope_theta,
             "swa_rope_theta": self.swa.rope_theta, "partial_rotary_factor": self.full.partial_rotary_factor,
             "layernorm_epsilon": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "eos_token_id": self.eos_token_id,
-            "num_nextn_predict_layers": self.num_mtp_layers, "hidden_act": "silu", "attention_bias": False,
+            "tie_word_embeddings": self.tie_word_embeddings, "eos_token_id": _published_eos(self.eos_token_ids),
+            "num_nextn_predict_layers": self.num_mtp_layers, "hidden_act": "silu", "attention_bias": self.attention_bias,
             "n_group": self.n_group, "topk_group": self.topk_group, "norm_topk_prob": self.norm_topk_prob,
             "routed_scaling_factor": self.routed_scaling_factor, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
             "n_shared_experts": None,
@@ -237,6 +248,14 @@ class _Form:
             raise CheckpointError(f"config.json: {key}={value} must be a positive int")
         return int(value)
 
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """``eos_token_id``: absent, one id or a list of ids (generation stops at any of them)."""
+        eos = self.get("eos_token_id", (int, list), [])
+        ids = [eos] if isinstance(eos, int) else eos
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise CheckpointError(f"config.json: eos_token_id={eos!r} must be a token id or a list of token ids")
+        return tuple(ids)
+
     def moe(self) -> dict[str, Any]:
         experts = self.positive("n_routed_experts")
         top_k = self.positive("num_experts_per_tok")
@@ -277,9 +296,6 @@ class _Form:
         value_scale = self.get("attention_value_scale", float, 1.0)
         if not math.isfinite(value_scale):
             raise CheckpointError(f"config.json: attention_value_scale={value_scale} must be finite")
-        eos = self.raw.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
         return {
             "vocab_size": self.positive("vocab_size"),
             "hidden_size": self.positive("hidden_size"),
@@ -289,13 +305,18 @@ class _Form:
             "attention_value_scale": value_scale,
             "max_position_embeddings": self.positive("max_position_embeddings", 131072),
             "tie_word_embeddings": tie,
-            "eos_token_id": eos if isinstance(eos, int) and not isinstance(eos, bool) else None,
+            "eos_token_ids": self.eos_token_ids(),
+            "attention_bias": self.get("attention_bias", bool, False),
             **(self.moe() if any(layer_is_moe) else _NO_MOE),
         }
 
 
 _NO_MOE = {"n_routed_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "n_group": 1,
            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}
+
+
+def _published_eos(ids: tuple[int, ...]) -> int | list[int] | None:
+    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -322,7 +343,8 @@ class _TransformersForm(_Form):
         heads, kv_heads = self.positive("num_attention_heads"), self.positive("num_key_value_heads")
         head_dim, v_head_dim = self.positive("head_dim", 192), self.positive("v_head_dim", 128)
         rope = self.get("rope_parameters", dict, {})
-        window = self.positive("sliding_window") - 1 if any(is_swa) else 0
+        mtp_layers = num_mtp_layers if num_mtp_layers is not None else self.get("num_nextn_predict_layers", int, 0)
+        window = self.positive("sliding_window") - 1 if any(is_swa) or mtp_layers else 0
 
         def shape(layer_type: str, kv: int, default_theta: float, sinks: bool) -> AttentionShape:
             params = rope.get(layer_type) or {}
@@ -337,7 +359,7 @@ class _TransformersForm(_Form):
             swa=shape("sliding_attention", 2 * kv_heads, 10_000.0, True),
             sliding_window=window,
             rms_norm_eps=self.get("rms_norm_eps", float, 1e-5),
-            num_mtp_layers=num_mtp_layers if num_mtp_layers is not None else self.get("num_nextn_predict_layers", int, 0),
+            num_mtp_layers=mtp_layers,
             **self.common(is_swa, is_moe),
         )
 
@@ -367,14 +389,15 @@ class _PublishedForm(_Form):
                 f"config.json: swa_head_dim/swa_v_head_dim=({swa.head_dim}, {swa.v_head_dim}) differ from head_dim/v_head_dim="
                 f"({full.head_dim}, {full.v_head_dim}); hal's engines take one pair of head dims"
             )
+        mtp_layers = num_mtp_layers if num_mtp_layers is not None else self.get("num_nextn_predict_layers", int, 0)
         window = self.get("sliding_window_size", int, 0)
-        if any(is_swa) and window <= 0:
-            raise CheckpointError(f"config.json: sliding_window_size={window} must be a positive int with SWA layers")
+        if (any(is_swa) or mtp_layers) and window <= 0:
+            raise CheckpointError(f"config.json: sliding_window_size={window} must be a positive int with SWA or MTP layers")
         return MiMoConfig(
             full=full,
             swa=swa,
             sliding_window=window,
             rms_norm_eps=self.get("layernorm_epsilon", float, self.get("rms_norm_eps", float, 1e-5)),
-            num_mtp_layers=num_mtp_layers if num_mtp_layers is not None else self.get("num_nextn_predict_layers", int, 0),
+            num_mtp_layers=mtp_layers,
             **self.common(is_swa, is_moe),
         )

@@ -87,20 +87,20 @@ class MultiLayerEagleWorker(TargetEngine):
         # The MTP pool has no SWA sub-pool: its layers read the full-pool block table.
         return attrs.evolve(metadata, mode=mode, swa_block_table=None)
 
-    def _run(self, requests: list[Request], eos_token_id: int | None) -> tuple[int, list[int]]:
-        verify_ids = self._prefill(requests, eos_token_id)
+    def _run(self, requests: list[Request], eos_token_ids: frozenset[int]) -> tuple[int, list[int]]:
+        verify_ids = self._prefill(requests, eos_token_ids)
         forwards, accept_lengths = 1, []
         active = [r for r in requests if not r.finished]
         verify_ids = self.keep_rows(verify_ids, requests, active)
         while active:
             forwards += 1
-            next_ids, accepted = self._step(active, verify_ids.view(-1), eos_token_id)
+            next_ids, accepted = self._step(active, verify_ids.view(-1), eos_token_ids)
             accept_lengths += accepted
             still = [r for r in active if not r.finished]
             verify_ids, active = self.keep_rows(next_ids, active, still), still
         return forwards, accept_lengths
 
-    def _prefill(self, requests: list[Request], eos_token_id: int | None) -> torch.Tensor:
+    def _prefill(self, requests: list[Request], eos_token_ids: frozenset[int]) -> torch.Tensor:
         """Target EXTEND, then MTP block k over the prompts with the ids rotated k + 1 times: the first
         drafts. Returns each request's first verify ids ``[bonus, d1..dS]``, on the device."""
         ids, hidden, metadata, last_rows, next_tokens = self._prefill_target(requests)
@@ -116,12 +116,12 @@ class MultiLayerEagleWorker(TargetEngine):
         for r, (token, *d) in zip(requests, verify_ids.tolist()):  # the prefill's one read-back
             r.committed = len(r.prompt)
             r.drafts = d
-            r.emit([token], eos_token_id)
+            r.emit([token], eos_token_ids)
             if r.finished:
                 self._finish(r)
         return verify_ids
 
-    def _step(self, active: list[Request], verify_ids: torch.Tensor, eos_token_id: int | None) -> tuple[torch.Tensor, list[int]]:
+    def _step(self, active: list[Request], verify_ids: torch.Tensor, eos_token_ids: frozenset[int]) -> tuple[torch.Tensor, list[int]]:
         """One verify + accept + draft round for every active request, whose ``[bonus, d1..dS]`` rows
         are ``verify_ids`` (on the device). Returns the next round's verify ids ``[B, S + 1]`` (on the
         device) and the accept lengths; reads the device back once."""
@@ -157,7 +157,7 @@ class MultiLayerEagleWorker(TargetEngine):
             accepted.append(a)
             r.committed += a
             r.drafts = rest[rows + 1 :]
-            r.emit(rest[:a], eos_token_id)
+            r.emit(rest[:a], eos_token_ids)
             if r.finished:
                 self._finish(r)
         return next_ids, accepted

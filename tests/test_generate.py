@@ -13,7 +13,7 @@ from hal.tools.cli import main
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from test_mimo import add_mtp_layers, make_checkpoint  # noqa: E402  (after the importorskips)
+from test_mimo import add_mtp_layers, hf_load, make_checkpoint  # noqa: E402  (after the importorskips)
 
 PROMPTS = [[3, 7, 11, 2, 9, 14, 5, 8], [4, 5]]
 
@@ -77,3 +77,64 @@ def test_errors_are_one_line(checkpoint, capsys) -> None:
     assert "needs 1..2" in capsys.readouterr().err
     assert main(["generate", "--model", str(directory / "nope"), "--prompt-ids", "1"]) == 1
     assert "CheckpointError: missing" in capsys.readouterr().err
+
+
+def _copy_with_config(directory: Path, target: Path, **changes: object) -> Path:
+    target.mkdir()
+    for file in directory.iterdir():
+        if file.suffix == ".safetensors":
+            (target / file.name).symlink_to(file)
+    config = {**json.loads((directory / "config.json").read_text()), **changes}
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_a_list_of_eos_ids_stops_at_any_of_them_like_transformers(checkpoint, tmp_path: Path, capsys) -> None:
+    directory, expected = checkpoint
+    stop = expected[0][5]  # a token greedy decoding of prompt 0 really produces; 95 is one it never does
+    assert 95 not in expected[0][:6]
+    copy = _copy_with_config(directory, tmp_path / "eos", eos_token_id=[95, stop])
+    hf = hf_load(copy)
+    for prompt in PROMPTS:
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=[95, stop])[0, len(prompt):]
+        got = run_json(capsys, "--model", str(copy), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "20")
+        assert got["tokens"][0] == reference.tolist()
+        for_mtp = run_json(capsys, "--model", str(copy), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "20",
+                           "--speculative", "mtp", "--num-draft-steps", "2")
+        assert for_mtp["tokens"] == got["tokens"]
+    assert got_first_stop(run_json(capsys, "--model", str(copy), "--prompt-ids", ",".join(map(str, PROMPTS[0])))) == stop
+
+
+def got_first_stop(result: dict) -> int:
+    (tokens,) = result["tokens"]
+    return int(tokens[-1])
+
+
+def test_dtype_loads_the_weights_in_it(checkpoint, capsys, monkeypatch) -> None:
+    from hal.speculative.mimo import MiMoV2Flash
+
+    directory, _ = checkpoint
+    loaded: list[MiMoV2Flash] = []
+    original = MiMoV2Flash.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def recording(cls, *args, **kwargs):  # the CLI's model, to read its weights afterwards
+        loaded.append(original(cls, *args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(MiMoV2Flash, "from_pretrained", classmethod(recording))
+    hf = hf_load(directory, dtype=torch.bfloat16)
+    prompt = PROMPTS[0]
+    reference = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(prompt):]
+    got = run_json(capsys, "--model", str(directory), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "12",
+                   "--dtype", "bfloat16", "--kv-dtype", "bfloat16")
+    assert got["tokens"][0] == reference.tolist()
+    run_json(capsys, "--model", str(directory), "--prompt-ids", "1,2", "--max-new-tokens", "1")  # auto: the CPU backend's float32
+    bf16, auto = loaded
+    for name, weight in bf16.state_dict().items():
+        if "gate_weight" not in name and "e_score_correction_bias" not in name:  # the router stays float32
+            assert weight.dtype == torch.bfloat16, name
+    reference_weights = hf.state_dict()
+    for name, weight in (("model.layers.1.self_attn.q_proj.weight", bf16.layers[1].self_attn.q_proj.weight),
+                         ("lm_head.weight", bf16.lm_head.weight)):
+        assert torch.equal(weight, reference_weights[name]), name  # transformers' bf16 weights, bit for bit
+    assert {p.dtype for p in auto.parameters()} == {torch.float32}

@@ -34,6 +34,10 @@ CONFIGS = {
     # GQA 2 on full layers, none on SWA layers (8 q, 8 kv), qk 32 / v 16, ungrouped, unnormalised routing
     "mha qk32 v16": dict(num_hidden_layers=2, num_key_value_heads=4, num_attention_heads=8, head_dim=32, v_head_dim=16,
                          sliding_window=3, n_group=1, topk_group=1, norm_topk_prob=False),
+    # every layer full attention with kv heads == q heads (the unused SWA shape would have 2x), q/k/v biases
+    "all full, bias": dict(num_hidden_layers=2, layer_types=["full_attention"] * 2, num_key_value_heads=4, attention_bias=True),
+    # lm_head tied to the embedding (transformers stores no lm_head.weight)
+    "tied w5": dict(num_hidden_layers=2, sliding_window=5, tie_word_embeddings=True),
 }
 
 
@@ -47,8 +51,8 @@ def make_checkpoint(directory: Path, seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
-def hf_load(directory: Path) -> Any:
-    return transformers.MiMoV2FlashForCausalLM.from_pretrained(directory, attn_implementation="eager", use_kernels=False).eval()
+def hf_load(directory: Path, **kwargs: Any) -> Any:
+    return transformers.MiMoV2FlashForCausalLM.from_pretrained(directory, attn_implementation="eager", use_kernels=False, **kwargs).eval()
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -89,6 +93,15 @@ def test_transformers_and_published_forms_give_one_config(tmp_path: Path) -> Non
     assert from_transformers.swa.rotary_dim == int(16 * 0.334)
 
 
+@pytest.mark.parametrize(("eos", "ids"), [(None, ()), (7, (7,)), ([7, 9], (7, 9)), ([], ())])
+def test_eos_ids_and_attention_bias_survive_both_forms(tmp_path: Path, eos: Any, ids: tuple[int, ...]) -> None:
+    make_checkpoint(tmp_path, num_hidden_layers=2, sliding_window=5, attention_bias=True)
+    raw = {**json.loads((tmp_path / "config.json").read_text()), "eos_token_id": eos}
+    config = MiMoConfig.from_dict(raw)
+    assert config.eos_token_ids == ids and config.attention_bias
+    assert MiMoConfig.from_dict(config.published_dict()) == config
+
+
 @pytest.mark.parametrize(
     ("change", "names"),
     [
@@ -99,6 +112,11 @@ def test_transformers_and_published_forms_give_one_config(tmp_path: Path) -> Non
         ({"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "rope_type='yarn' is not supported"),
         ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of the full-attention kv heads 3"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported, expected 'silu'"),
+        ({"eos_token_id": [2, "3"]}, "eos_token_id=[2, '3'] must be a token id or a list of token ids"),
+        ({"attention_bias": "yes"}, "attention_bias='yes' must be a bool"),
+        # MTP layers attend over the sliding window, so a model without SWA layers still needs one
+        ({"layer_types": ["full_attention"] * 2, "num_nextn_predict_layers": 1, "sliding_window": 1},
+         "sliding-window and MTP layers need a window, got 0"),
     ],
 )
 def test_bad_config_values_are_named(tmp_path: Path, change: dict[str, Any], names: str) -> None:
@@ -149,6 +167,28 @@ def test_sharded_checkpoint_loads_like_the_single_file(tmp_path: Path) -> None:
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"missing file: .*{shard.name}"):
         MiMoV2Flash.from_pretrained(tmp_path / "many")
+
+
+def test_an_index_naming_the_wrong_shard_is_a_checkpoint_error(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, num_hidden_layers=2, sliding_window=5, _shard="20KB")
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    name = "model.norm.weight"
+    wrong = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}': cannot be read from .*{wrong}"):
+        MiMoV2Flash.from_pretrained(tmp_path)
+
+
+def test_tied_embeddings_share_one_parameter_and_refuse_a_stored_lm_head(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, num_hidden_layers=2, sliding_window=5, tie_word_embeddings=True)
+    model = MiMoV2Flash.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
+    weights = safetensors_torch.load_file(tmp_path / "model.safetensors")
+    safetensors_torch.save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"] * 2}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="stores lm_head.weight, but config.json says tie_word_embeddings=true"):
+        MiMoV2Flash.from_pretrained(tmp_path)
 
 
 def test_fp8_block_scaled_weights_dequantize_to_scale_times_value(tmp_path: Path) -> None:

@@ -223,7 +223,7 @@ def test_prefill_and_draft_extend_produce_the_dense_drafts(model: TinyMiMo) -> N
     requests = spec._new_requests(prompts, 30)
     try:
         with torch.no_grad():
-            verify_ids = spec._prefill(requests, None)
+            verify_ids = spec._prefill(requests, frozenset())
         for r in requests:
             assert r.drafts == _dense_drafts(model, r.prompt, [r.output[-1]], 3)
         seen_accepts: set[int] = set()
@@ -234,7 +234,7 @@ def test_prefill_and_draft_extend_produce_the_dense_drafts(model: TinyMiMo) -> N
             # the device-side verify rows are what the host bookkeeping says: [bonus, d1..dS]
             assert verify_ids.tolist() == [[r.output[-1], *r.drafts] for r in active]
             with torch.no_grad():
-                verify_ids, accepted = spec._step(active, verify_ids.view(-1), None)
+                verify_ids, accepted = spec._step(active, verify_ids.view(-1), frozenset())
             seen_accepts.update(accepted)
             previous = active
             for r in active:
@@ -263,13 +263,13 @@ def test_draft_extend_rows_carry_the_rotated_tokens(model: TinyMiMo) -> None:
     rows = 4
     try:
         with torch.no_grad():
-            verify_ids = spec._prefill(requests, None)
+            verify_ids = spec._prefill(requests, frozenset())
             previous = requests
             for _ in range(5):
                 active = [r for r in requests if not r.finished]
                 before = [r.committed for r in active]
                 fed.clear()
-                verify_ids, accepts = spec._step(active, spec.keep_rows(verify_ids, previous, active).view(-1), None)
+                verify_ids, accepts = spec._step(active, spec.keep_rows(verify_ids, previous, active).view(-1), frozenset())
                 previous = active
                 for b, (r, start, a) in enumerate(zip(active, before, accepts)):
                     chain = r.prompt + r.output + r.drafts

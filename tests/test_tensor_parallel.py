@@ -30,7 +30,7 @@ PROMPTS = [[3, 7, 11, 2, 9, 14, 5, 8], [4, 5, 6]]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("mimo-tp")
-    make_checkpoint(directory, num_hidden_layers=6, sliding_window=5)
+    make_checkpoint(directory, num_hidden_layers=6, sliding_window=5, attention_bias=True)  # biases shard with their heads
     add_mtp_layers(directory, 2)
     return directory
 

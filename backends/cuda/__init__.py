@@ -45,6 +45,7 @@ class CudaBackend(BackendBase):
     device_type = "cuda"
     collective_backend = "nccl"
     auto_priority = 200
+    preferred_dtype = torch.bfloat16
     kv_pool_class = CudaKVPool
     attention_class = CudaAttention
     graph_class = CudaGraph

@@ -37,6 +37,7 @@ class NpuBackend(BackendBase):
     collective_backend = "hccl"
     auto_priority = 300
     default_page_size = 128
+    preferred_dtype = torch.bfloat16
     kv_pool_class = NpuKVPool
     attention_class = NpuAttention
     graph_class = NpuGraph

@@ -114,6 +114,8 @@ def _generate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt (default: 32)")
     parser.add_argument("--speculative", choices=["none", "mtp"], default="none", help="MTP speculative decoding (default: none)")
     parser.add_argument("--num-draft-steps", type=positive_int, default=1, help="MTP draft steps S with --speculative mtp (default: 1)")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                        help="dtype the weights load in; auto = the backend's preferred one (float32 on cpu, bfloat16 on npu and cuda)")
     parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                         help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
     parser.add_argument("--page-size", type=positive_int, default=None, help="KV page size (default: the backend's)")

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
+import hal
 from hal.distributed import init_tensor_parallel, launch_environment, rank_device, shutdown
 from hal.errors import CheckpointError, SpecError
-from hal.registry import backend_class, parse_device
 from hal.speculative import GenerationResult, GreedyDecoder, MultiLayerEagleWorker
 from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.mimo_config import MiMoConfig
 from hal.tools.cli import backend_from_args
-from hal.tools.demo import progress_printer, with_kv_dtype
+from hal.tools.demo import KV_DTYPES, progress_printer, with_kv_dtype
 from hal.tools.tp_launch import run_ranks
 
 
@@ -84,12 +84,14 @@ def decode(args: argparse.Namespace, prompts: list[list[int]]) -> GenerationResu
     elif world_size > 1:  # local ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = rank_device(args.device, local_rank) if world_size > 1 else args.device
-    collective: str = getattr(backend_class(parse_device(device)[0]), "collective_backend", "gloo") if world_size > 1 else ""
+    backend = hal.get_backend(device, emulate=args.emulate)
+    collective = backend.collective_backend if world_size > 1 else ""
+    dtype = backend.preferred_dtype if args.dtype == "auto" else KV_DTYPES[args.dtype]
     tp = init_tensor_parallel(collective, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=args.tp_timeout)
     try:
         show = progress_printer(sys.stderr)
         quiet = args.json or rank != 0
-        model = MiMoV2Flash.from_pretrained(args.model, tp=tp, progress=None if quiet else lambda d, t: show("loading weights", d, t, None))
+        model = MiMoV2Flash.from_pretrained(args.model, dtype=dtype, tp=tp, progress=None if quiet else lambda d, t: show("loading weights", d, t, None))
         steps = args.num_draft_steps if args.speculative == "mtp" else 0
         available = model.config.num_mtp_layers
         if steps and not 1 <= steps <= available:
@@ -108,7 +110,7 @@ def decode(args: argparse.Namespace, prompts: list[list[int]]) -> GenerationResu
             return GreedyDecoder(model, device, kv_dtype=dtype, **engine_args)
 
         engine, _ = with_kv_dtype(args.kv_dtype, build)
-        return engine.generate(prompts, args.max_new_tokens, eos_token_id=model.config.eos_token_id)
+        return engine.generate(prompts, args.max_new_tokens, eos_token_id=model.config.eos_token_ids)
     finally:
         shutdown(tp)
 

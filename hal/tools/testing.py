@@ -262,11 +262,12 @@ def standard_attention_cases(
 
 
 def spread_sinks_and_router(model: torch.nn.Module) -> None:
-    """Draw a transformers MiMo-V2-Flash model's attention sinks and expert-router biases at random
-    (their initialisation leaves them 0), so that sinks and the choice of experts matter in tests."""
+    """Draw a transformers MiMo-V2-Flash model's attention sinks, q/k/v biases (with
+    ``attention_bias``) and expert-router biases at random (their initialisation leaves them 0), so
+    that sinks, biases and the choice of experts matter in tests."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("sinks"):
+            if name.endswith("sinks") or name.endswith("_proj.bias"):
                 parameter.normal_(0, 1)
         for module in model.modules():
             bias = getattr(module, "e_score_correction_bias", None)
