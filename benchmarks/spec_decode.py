@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     built = demo.setup(args, max(args.batch_sizes))
     model, plain, spec = built.model, built.plain, built.spec
+    pool = spec.target_pool.spec
     print(
-        f"backend {spec.backend_name}, KV {str(built.kv_dtype).replace('torch.', '')}, pages of {args.page_size}, "
+        f"backend {spec.backend_name}, KV {str(pool.dtype).replace('torch.', '')}, pages of {pool.page_size}, "
         f"S={args.num_steps}, {args.max_new_tokens} new tokens per request, {args.repeats} alternating runs, "
         f"torch threads {torch.get_num_threads()}, MTP {'cached' if built.report.from_cache else 'trained'}"
     )

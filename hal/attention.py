@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hal.errors import UnsupportedConfigError
 from hal.graph import record_updatable_call
 from hal.metadata import AttentionMetadata
 from hal.protocols import KVPool
@@ -55,8 +56,22 @@ class AttentionKernelBase:
             self.pool.set_kv_for_forward(layer.layer_id, metadata, k, v)
         return self._attend(q, layer, metadata, sinks)
 
+    @classmethod
+    def unsupported_reason(
+        cls, layer: LayerSpec, kv_dtype: torch.dtype, page_size: int, max_q_len: int = 1, batch_size: int = 1
+    ) -> str | None:
+        """Why this kernel cannot run ``layer`` over a pool of ``kv_dtype`` in pages of ``page_size``
+        for batches of up to ``batch_size`` requests of up to ``max_q_len`` new tokens each, or None
+        if it can. Needs no pool and no device: what ``Backend.unsupported_reason`` answers with."""
+        return None
+
     def check_supported(self, layer: LayerSpec, metadata: AttentionMetadata) -> None:
-        """Raise ``UnsupportedConfigError`` for a layer or batch the hardware op cannot run."""
+        """Raise ``UnsupportedConfigError`` for a layer or batch the hardware op cannot run (the
+        ``unsupported_reason`` of this pool and batch)."""
+        spec = self.pool.spec
+        reason = self.unsupported_reason(layer, spec.dtype, spec.page_size, max(metadata.q_lens_cpu, default=0), metadata.batch_size)
+        if reason is not None:
+            raise UnsupportedConfigError(f"{type(self).__name__}, layer {layer.layer_id}: {reason}")
 
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None

@@ -8,15 +8,19 @@ memory pool its graphs share. ``is_available`` and the three factories come from
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from hal.errors import SpecError
+from hal.errors import SpecError, UnsupportedConfigError
 from hal.graph import EagerGraph, GraphBase
 from hal.kv_pool import SplitKVPool, check_pool_size
 from hal.protocols import Availability, AttentionKernel, KVPool
-from hal.spec import KVPoolSpec
+from hal.spec import KVPoolSpec, LayerSpec
+
+#: KV dtypes ``kv_dtype_for`` tries, in order: the reference's precision first.
+KV_DTYPE_PREFERENCE = (torch.float32, torch.bfloat16)
 
 
 def host_memory_bytes() -> int | None:
@@ -75,6 +79,15 @@ class BackendBase:
         """``probe().available``."""
         return cls.probe().available
 
+    def for_rank(self, local_rank: int) -> BackendBase:
+        """This backend for local rank ``local_rank`` of a tensor-parallel group: device
+        ``index + local_rank`` (the same backend where tensors live in host memory)."""
+        if not isinstance(local_rank, int) or isinstance(local_rank, bool) or local_rank < 0:
+            raise SpecError(f"for_rank: local_rank must be an int >= 0, got {local_rank!r}")
+        if self.host_memory or local_rank == 0:
+            return self
+        return type(self)((self.index or 0) + local_rank)
+
     def memory_bytes(self) -> int | None:
         """The device's memory in bytes (None when the backend cannot tell; backends with a memory
         query override this): the host's physical memory for a backend whose tensors live there."""
@@ -93,6 +106,36 @@ class BackendBase:
         if not isinstance(getattr(pool, "spec", None), KVPoolSpec):
             raise SpecError(f"create_attention: pool must be a KV pool (see create_kv_pool), got {type(pool).__name__}")
         return self.attention_class(pool)  # type: ignore[no-any-return]
+
+    def unsupported_reason(
+        self, layer: LayerSpec, kv_dtype: torch.dtype, page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+    ) -> str | None:
+        """Why this backend's kernel cannot run ``layer`` with KV in ``kv_dtype`` and pages of
+        ``page_size``, for batches of up to ``batch_size`` requests of up to ``max_q_len`` new tokens
+        each; None if it can. Allocates nothing."""
+        return self.attention_class.unsupported_reason(layer, kv_dtype, page_size, max_q_len, batch_size)  # type: ignore[no-any-return]
+
+    def check_layers(
+        self, layers: Sequence[LayerSpec], kv_dtype: torch.dtype, page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+    ) -> None:
+        """``UnsupportedConfigError`` naming the first of ``layers`` the kernel cannot run (see
+        ``unsupported_reason``), before anything is allocated."""
+        for layer in layers:
+            reason = self.unsupported_reason(layer, kv_dtype, page_size, max_q_len=max_q_len, batch_size=batch_size)
+            if reason is not None:
+                raise UnsupportedConfigError(f"backend {self.name!r}, layer {layer.layer_id}: {reason}")
+
+    def kv_dtype_for(
+        self, layers: Sequence[LayerSpec], page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+    ) -> torch.dtype:
+        """The KV dtype to store ``layers`` in: float32 where the kernel runs every layer in it (the
+        reference's precision), else bfloat16; ``UnsupportedConfigError`` when neither runs them."""
+        for dtype in KV_DTYPE_PREFERENCE:
+            if all(self.unsupported_reason(layer, dtype, page_size, max_q_len=max_q_len, batch_size=batch_size) is None
+                   for layer in layers):
+                return dtype
+        self.check_layers(layers, KV_DTYPE_PREFERENCE[-1], page_size, max_q_len=max_q_len, batch_size=batch_size)
+        raise AssertionError("unreachable")  # check_layers raised for the layer that fails
 
     def create_graph(self) -> GraphBase:
         """A fresh, uncaptured ``graph_class`` graph."""

@@ -110,16 +110,3 @@ def shutdown(group: TPGroup) -> None:
     """Leave the process group (a no-op for a single rank)."""
     if group.size > 1 and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def rank_device(device: str, local_rank: int) -> str:
-    """The device a rank runs on: the backend's device ``local_rank`` (offset by an explicit index),
-    or the shared host for backends whose tensors live in host memory."""
-    from hal.registry import backend_class, get_backend, parse_device
-
-    name, index = parse_device(device)
-    if name == "auto":
-        name = get_backend("auto").name
-    if getattr(backend_class(name), "host_memory", False):
-        return name
-    return f"{name}:{(index or 0) + local_rank}"

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import torch
 
 from hal.errors import SpecError
 from hal.graph import capture_id, is_capturing, write_count
-from hal.spec import ForwardMode, strict_int, strict_ints
-
-if TYPE_CHECKING:
-    from hal.protocols import KVPool
+from hal.spec import ForwardMode, KVPoolSpec, strict_int, strict_ints
 
 T = TypeVar("T")
 
@@ -36,6 +33,28 @@ def _check_request_lengths(where: str, q_lens: Sequence[int], kv_lens: Sequence[
     for i, (q, kv) in enumerate(zip(q_lens, kv_lens)):
         if q < 0 or kv < q:
             raise SpecError(f"{where} request {i}: need 0 <= q_len <= kv_len, got q_len={q}, kv_len={kv}")
+
+
+@runtime_checkable
+class AddressedPool(Protocol):
+    """What metadata reads of a KV pool: its spec and device, its slot and page checks and its
+    SWA page translation (the part of ``hal.KVPool`` that addresses pages; every pool has it)."""
+
+    spec: KVPoolSpec
+    device: torch.device
+
+    def check_slots(self, loc: torch.Tensor, where: str, *, swa: bool | None = None) -> None:
+        """Host-side: raise ``CacheLocationError`` for a slot outside the pool (or, on a hybrid pool,
+        in a page with no SWA page behind it); ``where`` starts the message."""
+        ...
+
+    def check_pages(self, pages: torch.Tensor, where: str) -> None:
+        """Host-side: raise ``CacheLocationError`` for a page id outside ``0..num_pages``."""
+        ...
+
+    def swa_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """A full-pool block table translated to SWA sub-pool pages (page 0 stays 0)."""
+        ...
 
 
 @attrs.frozen(eq=False)
@@ -148,7 +167,7 @@ class AttentionMetadata:
         self._derived[key] = (stamp, value)
         return value
 
-    def check_against(self, pool: KVPool) -> None:
+    def check_against(self, pool: AddressedPool) -> None:
         """Raise a typed error, before anything is written, if a slot or page id does not fit ``pool``:
         slots in range (and SWA-mapped on a hybrid pool), page ids in ``0..num_pages``, the page size.
 
@@ -204,7 +223,7 @@ def build_metadata(
     q_lens: Sequence[int] | torch.Tensor,
     page_table: Sequence[Sequence[int]] | torch.Tensor,
     out_cache_loc: Sequence[int] | torch.Tensor,
-    pool: KVPool | None = None,
+    pool: AddressedPool | None = None,
     page_size: int | None = None,
     device: torch.device | str | None = None,
     max_pages: int | None = None,

@@ -29,23 +29,21 @@ import attrs
 import torch
 
 from hal.graph import GraphUpdate
-from hal.metadata import AttentionMetadata
+from hal.metadata import AddressedPool, AttentionMetadata
 from hal.spec import KVPoolSpec, LayerSpec
 
 T = TypeVar("T")
 
 
 @runtime_checkable
-class KVPool(Protocol):
+class KVPool(AddressedPool, Protocol):
     """Paged split-K/V storage: ``[layer, num_pages + 1, page_size, kv_heads, dim]`` per sub-pool.
 
     Slot ``loc`` is ``page * page_size + offset``; page 0 is the padding page that padded rows
     write to. Hybrid SWA pools keep SWA layers in a smaller sub-pool; callers always address
-    tokens by full-pool slot and the pool translates through ``full_to_swa_page``.
+    tokens by full-pool slot and the pool translates through ``full_to_swa_page``. ``spec``,
+    ``device``, ``check_slots``, ``check_pages`` and ``swa_block_table``: see ``AddressedPool``.
     """
-
-    spec: KVPoolSpec
-    device: torch.device
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k[i]``/``v[i]`` at full-pool slot ``loc[i]``; bad input raises and writes nothing."""
@@ -73,10 +71,6 @@ class KVPool(Protocol):
         """Whether the layer lives in the sliding-window sub-pool."""
         ...
 
-    def swa_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
-        """A full-pool block table translated to SWA sub-pool pages (page 0 stays 0)."""
-        ...
-
     def map_swa_pages(self, full_pages: torch.Tensor, swa_pages: torch.Tensor) -> None:
         """Back full pages ``1..num_pages`` with SWA pages ``1..swa_num_pages`` (an allocator's job)."""
         ...
@@ -85,14 +79,6 @@ class KVPool(Protocol):
         """Drop the SWA backing of full pages: reads through them see the padding page."""
         ...
 
-    def check_slots(self, loc: torch.Tensor, where: str, *, swa: bool | None = None) -> None:
-        """Host-side: raise ``CacheLocationError`` for a slot outside the pool (or, on a hybrid pool,
-        in a page with no SWA page behind it); ``where`` starts the message."""
-        ...
-
-    def check_pages(self, pages: torch.Tensor, where: str) -> None:
-        """Host-side: raise ``CacheLocationError`` for a page id outside ``0..num_pages``."""
-        ...
 
 
 @runtime_checkable
@@ -191,6 +177,28 @@ class Backend(Protocol):
 
     def create_graph(self) -> Graph:
         """A fresh, uncaptured graph."""
+        ...
+
+    def unsupported_reason(
+        self, layer: LayerSpec, kv_dtype: torch.dtype, page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+    ) -> str | None:
+        """Why the kernel cannot run ``layer`` with this KV dtype, page size and batch bound; None if it can."""
+        ...
+
+    def check_layers(
+        self, layers: Sequence[LayerSpec], kv_dtype: torch.dtype, page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+    ) -> None:
+        """``UnsupportedConfigError`` naming the first layer the kernel cannot run, before allocating."""
+        ...
+
+    def kv_dtype_for(
+        self, layers: Sequence[LayerSpec], page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+    ) -> torch.dtype:
+        """The KV dtype for ``layers``: float32 where the kernel runs them in it, else bfloat16."""
+        ...
+
+    def for_rank(self, local_rank: int) -> Backend:
+        """This backend for local rank ``local_rank`` of a tensor-parallel group."""
         ...
 
     def graph_memory_pool(self) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -212,6 +212,33 @@ class KVPoolSpec:
                 f"KVPoolSpec.swa.size={value.size} must be a multiple of page_size={self.page_size}"
             )
 
+    @classmethod
+    def for_layers(
+        cls,
+        layers: Sequence[LayerSpec],
+        size: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        swa_size: int | None = None,
+    ) -> KVPoolSpec:
+        """The pool that stores ``layers`` (layer ids ``0 .. n-1``, each once): with both full and
+        sliding-window layers, a hybrid pool whose SWA sub-pool (``swa_size`` tokens, default
+        ``size``) holds the sliding-window ones; with one kind only, one pool. Layers stored
+        together must agree on kv heads and head dims, or the ``SpecError`` names them."""
+        ids = sorted(layer.layer_id for layer in layers)
+        if ids != list(range(len(layers))):
+            raise SpecError(f"KVPoolSpec.for_layers: layer ids must be 0..{len(layers) - 1}, each once, got {ids}")
+        full = [layer for layer in layers if not layer.is_swa]
+        swa = [layer for layer in layers if layer.is_swa]
+        if not full or not swa:
+            heads, dk, dv = _shared_geometry(layers, "full-attention layers" if full else "sliding-window layers")
+            return cls(len(layers), size, page_size, heads, dk, dv, dtype)
+        heads, dk, dv = _shared_geometry(full, "full-attention layers")
+        swa_heads, swa_dk, swa_dv = _shared_geometry(swa, "sliding-window layers")
+        swa_spec = SWAPoolSpec(tuple(layer.layer_id for layer in swa), size if swa_size is None else swa_size, swa_heads, swa_dk, swa_dv)
+        return cls(len(layers), size, page_size, heads, dk, dv, dtype, swa_spec)
+
     @property
     def num_pages(self) -> int:
         """Full-pool pages, page 0 (padding) not counted."""
@@ -270,3 +297,11 @@ class KVPoolSpec:
             total += heads * (dk + dv) * elem
         return total
 
+
+def _shared_geometry(layers: Sequence[LayerSpec], what: str) -> tuple[int, int, int]:
+    """The ``(kv_heads, head_dim, v_head_dim)`` every layer of ``layers`` shares (one sub-pool's)."""
+    shapes = {(layer.num_kv_heads, layer.head_dim, layer.v_head_dim): layer.layer_id for layer in layers}
+    if len(shapes) > 1:
+        named = ", ".join(f"layer {i}: {shape}" for shape, i in shapes.items())
+        raise SpecError(f"KVPoolSpec.for_layers: {what} share one sub-pool and must agree on (kv_heads, head_dim, v_head_dim); {named}")
+    return next(iter(shapes))

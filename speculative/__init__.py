@@ -2,21 +2,24 @@
 
     from hal.speculative import MultiLayerEagleWorker, GreedyDecoder, TinyConfig, TinyMiMo, distill
     model = TinyMiMo(TinyConfig()); distill(model)
-    spec = MultiLayerEagleWorker(model, "cpu", num_steps=3)     # any hal device string
+    spec = MultiLayerEagleWorker(model, "cpu", num_steps=3)     # a hal.Backend, or any hal device string
     print(spec.generate([[1, 2, 3]], 32).tokens)
 
-Nothing here branches on the device: pools, kernels and graphs come from ``hal.get_backend``.
+A model the engines run implements ``EngineModel`` and describes itself with a ``ModelSpec``.
+Nothing here branches on the device: pools, kernels and graphs come from the engine's backend.
 """
 
 from hal.speculative.distill import DistillConfig, distill
-from hal.speculative.model import TinyConfig, TinyMiMo
+from hal.speculative.model import EngineModel, ModelSpec, TinyConfig, TinyMiMo
 from hal.speculative.engine import GenerationResult, GreedyDecoder
 from hal.speculative.mtp import MultiLayerEagleWorker
 
 __all__ = [
     "DistillConfig",
+    "EngineModel",
     "GenerationResult",
     "GreedyDecoder",
+    "ModelSpec",
     "MultiLayerEagleWorker",
     "TinyConfig",
     "TinyMiMo",

@@ -1,7 +1,7 @@
 """The engine half of hal's decoders: requests, the paged KV of the target, prefill, the generate
 loop, and ``GreedyDecoder`` (plain greedy decoding, the speed baseline and the lossless oracle).
 
-Engines get their backend from ``hal.get_backend(device, emulate=...)`` and from it every KV pool,
+Engines are handed a backend (or a device string they resolve once) and get from it every KV pool,
 attention kernel and graph; nothing here knows which device it runs on. ``hal.speculative.mtp``
 builds the multi-layer EAGLE worker on ``TargetEngine``.
 """
@@ -20,9 +20,9 @@ from hal.distributed import SINGLE, TPGroup
 from hal.errors import SpecError
 from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
-from hal.protocols import AttentionKernel
-from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec, strict_ints
-from hal.speculative.model import EngineModel
+from hal.protocols import AttentionKernel, Backend
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, strict_ints
+from hal.speculative.model import EngineModel, ModelSpec
 
 
 class KernelAttend:
@@ -42,6 +42,17 @@ class KernelAttend:
             q.to(dt), k.to(dt), v.to(dt), layer, self.metadata, sinks=None if sinks is None else sinks.to(dt)
         )
         return out.to(q.dtype)
+
+
+def resolve_backend(backend: Backend | str, emulate: bool = False) -> Backend:
+    """``backend`` itself, or the backend a device string names (``hal.get_backend``)."""
+    if isinstance(backend, str):
+        return hal.get_backend(backend, emulate=emulate)
+    if not isinstance(backend, Backend):
+        raise SpecError(f"backend must be a hal.Backend or a device string, got {type(backend).__name__}")
+    if emulate:
+        raise SpecError("emulate=True applies to a device string; a Backend object is already resolved")
+    return backend
 
 
 def eos_ids(eos_token_id: int | Collection[int] | None) -> frozenset[int]:
@@ -96,52 +107,58 @@ class GenerationResult:
 class TargetEngine:
     """Backend, hybrid target KV pool, allocator and prefill shared by both decoders.
 
-    The model is moved to the backend's device in place. The KV pool holds ``max_batch_size``
-    requests of up to ``max_seq_len`` positions; graphs are captured for ``graph_batch_sizes``
-    (default 1, 2, 4, ... up to ``max_batch_size``). ``page_size`` (default: the backend's
-    ``default_page_size``) and ``kv_dtype`` must suit the backend's kernel (e.g. FIA v2 with head
-    dim 192 wants bf16/fp16 and pages of 128). ``tp`` (default: the model's ``tp``, else none) is
-    the tensor-parallel group: graphs capture after a barrier on it, and every rank acts on rank 0's
+    ``backend``: a ``hal.Backend`` (what ``hal.get_backend`` returns), or a device string resolved
+    with ``hal.get_backend(backend, emulate=emulate)``. The model is moved to the backend's device in
+    place. The KV pool holds ``max_batch_size`` requests of up to ``max_seq_len`` positions; graphs
+    are captured for ``graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
+    ``page_size`` defaults to the backend's ``default_page_size``, ``kv_dtype`` to the backend's
+    ``kv_dtype_for`` the model's layers (float32 where its kernel takes it); every layer the engine
+    runs is checked against the backend's kernel before anything is allocated, and one it cannot run
+    is an ``UnsupportedConfigError`` naming it. ``tp`` (default: the model's ``tp``, else none) is the
+    tensor-parallel group: graphs capture after a barrier on it, and every rank acts on rank 0's
     read-back of each step.
     """
 
     #: KV positions a request may need beyond its prompt and max_new_tokens (the unverified drafts).
     lookahead = 0
+    #: The draft (MTP) layers this engine runs besides the target's (set before ``__init__``).
+    draft_layers: tuple[LayerSpec, ...] = ()
 
     def __init__(
         self,
         model: EngineModel,
-        device: str = "cpu",
+        backend: Backend | str = "cpu",
         *,
         emulate: bool = False,
         page_size: int | None = None,
-        kv_dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
         max_batch_size: int = 8,
         max_seq_len: int = 256,
         graph_batch_sizes: Sequence[int] | None = None,
         tp: TPGroup | None = None,
     ) -> None:
-        cfg = model.config
+        spec = model.spec
+        if not isinstance(spec, ModelSpec):
+            raise SpecError(f"the model's spec must be a hal.speculative.ModelSpec, got {type(spec).__name__}")
         # Ranks of a tensor-parallel model decide with rank 0's read-back, so they stay in lockstep.
         self.tp: TPGroup = getattr(model, "tp", SINGLE) if tp is None else tp
-        if max_seq_len > cfg.max_position:
-            raise SpecError(f"max_seq_len={max_seq_len} exceeds the model's max_position={cfg.max_position}")
-        self.backend = hal.get_backend(device, emulate=emulate)
+        if max_seq_len > spec.max_position:
+            raise SpecError(f"max_seq_len={max_seq_len} exceeds the model's max_position={spec.max_position}")
+        self.backend = resolve_backend(backend, emulate)
         self.device = self.backend.device
         page_size = self.backend.default_page_size if page_size is None else page_size
+        layers = spec.target_layers + self.draft_layers
+        bounds = {"max_q_len": max_seq_len, "batch_size": max_batch_size}
+        if kv_dtype is None:
+            kv_dtype = self.backend.kv_dtype_for(layers, page_size, **bounds)
+        self.backend.check_layers(layers, kv_dtype, page_size, **bounds)
         self.model = model.to(self.device).eval()
-        self.config = cfg
+        self.spec = spec
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.pages_per_request = math.ceil(max_seq_len / page_size)
         size = max_batch_size * self.pages_per_request * page_size
-        swa = None
-        if cfg.swa_layer_ids:
-            swa = SWAPoolSpec(cfg.swa_layer_ids, size, cfg.swa_kv_heads, cfg.qk_head_dim, cfg.v_head_dim)  # type: ignore[arg-type]
-        target_spec = KVPoolSpec(
-            cfg.num_layers, size, page_size, cfg.full_kv_heads, cfg.qk_head_dim, cfg.v_head_dim, kv_dtype, swa
-        )
-        self.target_pool = self.backend.create_kv_pool(target_spec)
+        self.target_pool = self.backend.create_kv_pool(KVPoolSpec.for_layers(spec.target_layers, size, page_size, kv_dtype))
         self.target_attention = self.backend.create_attention(self.target_pool)
         self.allocator = hal.KVAllocator(self.target_pool)
         self.page_table = hal.RequestPageTable(self.allocator)
@@ -209,7 +226,7 @@ class TargetEngine:
         )
         if len(limits) != len(prompts):
             raise SpecError(f"generate: {len(limits)} max_new_tokens values for {len(prompts)} prompts")
-        vocab = self.config.vocab_size
+        vocab = self.spec.vocab_size
         requests = []
         for i, (prompt, limit) in enumerate(zip(prompts, limits)):
             prompt = list(strict_ints(prompt, f"generate: prompt {i}"))
@@ -285,8 +302,8 @@ class TargetEngine:
 class GreedyDecoder(TargetEngine):
     """Plain greedy decoding with the target alone (``DECODE`` graphs): the baseline and the lossless oracle."""
 
-    def __init__(self, model: EngineModel, device: str = "cpu", **kwargs: object) -> None:
-        super().__init__(model, device, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, model: EngineModel, backend: Backend | str = "cpu", **kwargs: object) -> None:
+        super().__init__(model, backend, **kwargs)  # type: ignore[arg-type]
         self.decode_runner = self._graph_runner(
             lambda inputs, md: self._target_tokens_and_hidden(inputs, md)[0],
             self.target_attention,

@@ -211,6 +211,7 @@ class MiMoV2Flash(nn.Module):
         super().__init__()
         self.source_config, self.tp = config, tp
         self.config = config = config.for_tensor_parallel(tp)
+        self.spec = config.model_spec()
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.layers = nn.ModuleList(

@@ -25,6 +25,7 @@ import attrs
 from hal.distributed import TPGroup
 from hal.errors import CheckpointError, SpecError
 from hal.spec import LayerSpec
+from hal.speculative.model import ModelSpec
 
 MODEL_TYPE = "mimo_v2_flash"
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.334  # transformers' default when a rope entry names none
@@ -109,30 +110,11 @@ class MiMoConfig:
         """MTP layer ``step``: SWA attention, layer ``step`` of the MTP pool."""
         return _layer_spec(step, self.swa, self.sliding_window)
 
-    # -- what the engines read (the names TinyConfig uses) ---------------------------------------
-    @property
-    def max_position(self) -> int:
-        return self.max_position_embeddings
-
-    @property
-    def swa_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, swa in enumerate(self.layer_is_swa) if swa)
-
-    @property
-    def full_kv_heads(self) -> int:
-        return self.full.num_kv_heads
-
-    @property
-    def swa_kv_heads(self) -> int:
-        return self.swa.num_kv_heads
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.full.head_dim
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.full.v_head_dim
+    def model_spec(self) -> ModelSpec:
+        """What hal's engines read: sizes and every target and MTP layer as a ``LayerSpec``."""
+        return ModelSpec(self.vocab_size, self.hidden_size, self.max_position_embeddings,
+                         tuple(self.target_layer_spec(i) for i in range(self.num_layers)),
+                         tuple(self.mtp_layer_spec(k) for k in range(self.num_mtp_layers)))
 
     def for_tensor_parallel(self, tp: TPGroup) -> MiMoConfig:
         """This rank's share: q heads and both MLP widths divided by the TP size; kv heads divided,
@@ -155,8 +137,8 @@ class MiMoConfig:
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """K + V bytes one token takes over every target layer (the heads this config holds)."""
-        return sum((self.swa if swa else self.full).num_kv_heads * (self.qk_head_dim + self.v_head_dim) * element_bytes
-                   for swa in self.layer_is_swa)
+        return sum(shape.num_kv_heads * (shape.head_dim + shape.v_head_dim) * element_bytes
+                   for shape in map(self.attention, range(self.num_layers)))
 
     def kv_head_shard(self, layer_type: str, tp: TPGroup) -> tuple[int, int]:
         """``(first kv head, count)`` this rank holds of ``layer_type``'s (``"full"``/``"swa"``) kv heads."""

@@ -16,7 +16,7 @@ The model does no attention itself: every layer calls an ``Attend`` callable wit
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,13 +31,46 @@ from hal.spec import LayerSpec
 Attend = Callable[[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-class EngineModel(Protocol):
-    """What hal's engines need of a model (``TinyMiMo`` and ``MiMoV2Flash`` provide it): the target's
-    last hidden states, MTP layer ``step``'s hidden states, logits, and a config with the sizes the
-    KV pools are built from (``num_layers``, ``swa_layer_ids``, ``full_kv_heads``, ``swa_kv_heads``,
-    ``qk_head_dim``, ``v_head_dim``, ``max_position``, ``vocab_size``, ``hidden_size``, ``num_mtp_layers``)."""
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SpecError(f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}")
 
-    config: Any
+
+def _layer_tuple(layers: Iterable[LayerSpec]) -> tuple[LayerSpec, ...]:
+    return tuple(layers)
+
+
+def _layer_ids_in_order(instance: ModelSpec, attribute: attrs.Attribute, layers: tuple[LayerSpec, ...]) -> None:
+    ids = [layer.layer_id if isinstance(layer, LayerSpec) else layer for layer in layers]
+    if ids != list(range(len(layers))):
+        raise SpecError(f"ModelSpec.{attribute.name} must be LayerSpecs with layer ids 0..{len(layers) - 1} in order, got {ids}")
+
+
+@attrs.frozen
+class ModelSpec:
+    """What hal's engines know of a model: its vocabulary, hidden size and longest position, and
+    every attention layer as a ``LayerSpec``: the target's (``target_layers[i]`` is layer ``i``,
+    its ``sliding_window`` saying whether it is a sliding-window layer) and the draft (MTP) blocks'
+    (``draft_layers[k]``: block ``k``, layer ``k`` of the draft pool). The engines build their KV
+    pools from these (``KVPoolSpec.for_layers``) and assume nothing else about a layer's shape."""
+
+    vocab_size: int = attrs.field(validator=_positive)
+    hidden_size: int = attrs.field(validator=_positive)
+    max_position: int = attrs.field(validator=_positive)
+    target_layers: tuple[LayerSpec, ...] = attrs.field(converter=_layer_tuple, validator=_layer_ids_in_order)
+    draft_layers: tuple[LayerSpec, ...] = attrs.field(default=(), converter=_layer_tuple, validator=_layer_ids_in_order)
+
+    @property
+    def num_draft_layers(self) -> int:
+        return len(self.draft_layers)
+
+
+class EngineModel(Protocol):
+    """What hal's engines need of a model (``TinyMiMo`` and ``MiMoV2Flash`` provide it): its
+    ``ModelSpec``, the target's last hidden states, MTP layer ``step``'s hidden states, and logits.
+    Each layer calls ``attend`` with the ``LayerSpec`` its ``spec`` lists for it."""
+
+    spec: ModelSpec
 
     def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor: ...
 
@@ -48,11 +81,6 @@ class EngineModel(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def to(self, device: torch.device) -> Any: ...
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(f"TinyConfig.{attribute.name} must be a positive int, got {value!r}")
 
 
 @attrs.frozen
@@ -118,6 +146,11 @@ class TinyConfig:
             sliding_window=None if full else self.sliding_window,
             has_sinks=not full,
         )
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(self.vocab_size, self.hidden_size, self.max_position,
+                         tuple(self.target_layer_spec(i) for i in range(self.num_layers)),
+                         tuple(self.mtp_layer_spec(k) for k in range(self.num_mtp_layers)))
 
     def mtp_layer_spec(self, step: int) -> LayerSpec:
         """MTP block ``step``'s attention: SWA head config with sinks, layer ``step`` of the MTP pool."""
@@ -247,6 +280,7 @@ class TinyMiMo(nn.Module):
     def __init__(self, config: TinyConfig) -> None:
         super().__init__()
         self.config = config
+        self.spec = config.model_spec()
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, config.target_layer_spec(i)) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)

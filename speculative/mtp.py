@@ -29,6 +29,7 @@ import torch
 
 from hal.errors import SpecError
 from hal.metadata import AttentionMetadata
+from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec
 from hal.speculative.chain import greedy_accept, rotate_input_ids
 from hal.speculative.engine import KernelAttend, Request, TargetEngine
@@ -38,19 +39,17 @@ from hal.speculative.model import EngineModel
 class MultiLayerEagleWorker(TargetEngine):
     """Multi-layer EAGLE with ``num_steps`` MTP blocks (one per draft step), chain drafts, greedy verify."""
 
-    def __init__(self, model: EngineModel, device: str = "cpu", *, num_steps: int = 3, **kwargs: object) -> None:
-        cfg = model.config
-        if not isinstance(num_steps, int) or not 1 <= num_steps <= cfg.num_mtp_layers:
-            raise SpecError(f"num_steps must be an int in 1..{cfg.num_mtp_layers} (the model's MTP blocks), got {num_steps!r}")
+    def __init__(self, model: EngineModel, backend: Backend | str = "cpu", *, num_steps: int = 3, **kwargs: object) -> None:
+        available = model.spec.num_draft_layers
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or not 1 <= num_steps <= available:
+            raise SpecError(f"num_steps must be an int in 1..{available} (the model's MTP blocks), got {num_steps!r}")
         self.num_steps = num_steps
         self.lookahead = num_steps
-        super().__init__(model, device, **kwargs)  # type: ignore[arg-type]
-        # The MTP blocks' own KV pool: one layer per block, the same page ids as the target's full pool.
+        self.draft_layers = model.spec.draft_layers[:num_steps]
+        super().__init__(model, backend, **kwargs)  # type: ignore[arg-type]
+        # The MTP blocks' own KV pool: one layer per block, addressed by the target's slots.
         target = self.target_pool.spec
-        mtp_spec = KVPoolSpec(
-            num_steps, target.size, target.page_size, cfg.swa_kv_heads, cfg.qk_head_dim, cfg.v_head_dim, target.dtype
-        )
-        self.mtp_pool = self.backend.create_kv_pool(mtp_spec)
+        self.mtp_pool = self.backend.create_kv_pool(KVPoolSpec.for_layers(self.draft_layers, target.size, target.page_size, target.dtype))
         self.mtp_attention = self.backend.create_attention(self.mtp_pool)
         rows = num_steps + 1
         self.verify_runner = self._graph_runner(
@@ -66,7 +65,7 @@ class MultiLayerEagleWorker(TargetEngine):
                 self.mtp_attention,
                 ForwardMode.DRAFT_EXTEND_V2,
                 rows,
-                {"input_ids": ((), torch.int64), "hidden": ((cfg.hidden_size,), torch.float32)},
+                {"input_ids": ((), torch.int64), "hidden": ((self.spec.hidden_size,), torch.float32)},
             )
             for k in range(num_steps)
         ]

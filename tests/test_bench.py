@@ -12,9 +12,11 @@ import attrs
 import pytest
 import torch
 
+import hal
 from hal.backends.cpu import CpuBackend
 from hal.backends.cpu.attention import CpuAttention
-from hal.tools.bench import BenchConfig, Measurement, bench_memory, markdown_table, run_benchmarks, time_pair, write_outputs
+from hal.tools.bench import BenchConfig, bench_memory, markdown_table, run_benchmarks, time_pair, write_outputs
+from hal.tools.measurement import Measurement
 
 TINY = attrs.evolve(BenchConfig.quick(), decode_batch=2, decode_kv_len=160, extend_len=96, write_tokens=256,
                     q_heads=8, kv_heads=2, repeats=2, warmup=1, min_sample_s=0.0)
@@ -199,7 +201,7 @@ def test_plain_decoder_rows_check_tokens_and_carry_targets(monkeypatch: pytest.M
     from hal.tools.plain_decoder import PlainDecoder
 
     monkeypatch.setattr(decoding, "_distilled_demo_model", lambda: TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=3)))
-    rows = decoding.bench_vs_plain("cpu", False, True, log=lambda line: None)
+    rows = decoding.bench_vs_plain(hal.get_backend("cpu"), True, log=lambda line: None)
     assert [(m.target, m.ratio_of) for m in rows] == [(">= 1", "hal/plain tok/s"), (">= 2", "hal/plain tok/s")] * 2
     for m in rows:
         assert m.spread is not None and m.spread[0] <= m.ratio <= m.spread[1] and m.met is not None
@@ -212,4 +214,4 @@ def test_plain_decoder_rows_check_tokens_and_carry_targets(monkeypatch: pytest.M
 
     monkeypatch.setattr(PlainDecoder, "generate", off_by_one)
     with pytest.raises(ResultMismatchError, match="differ from the plain decoder's"):
-        decoding.bench_vs_plain("cpu", False, True, log=lambda line: None)
+        decoding.bench_vs_plain(hal.get_backend("cpu"), True, log=lambda line: None)

@@ -201,3 +201,60 @@ def test_the_out_of_tree_example_imports_hal_through_the_sdk_only() -> None:
                 hal_imports.add(module)
     assert "hal.sdk" in hal_imports
     assert all(m == "hal.sdk" or m.startswith("hal.sdk.") for m in hal_imports), sorted(hal_imports)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the repository modules it imports (any import statement, lazy ones included);
+    ``from m import a`` counts as importing ``m.a`` when that is a module, else ``m``."""
+    paths = {module_name(p.relative_to(root)): p for folder in PACKAGE_ROOTS for p in (root / folder).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for importer, path in paths.items():
+        edges = set()
+        for _, module in imported_modules(path.read_text(), importer, path.name == "__init__.py"):
+            while module and module not in paths:
+                module = module.rpartition(".")[0]
+            if module and module != importer:
+                edges.add(module)
+        graph[importer] = edges
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = {m: {e for e in edges if not m.startswith(e + ".")} for m, edges in import_graph(REPO).items()}
+    assert circles(graph) == []
+
+
+def test_a_circle_is_found() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -14,10 +14,13 @@ class CudaAttention(AttentionKernelBase):
     update between graph replays (``updatable_params`` is empty).
     """
 
-    def check_supported(self, layer: LayerSpec, metadata: AttentionMetadata) -> None:
-        from hal.backends.cuda.triton_attention import check_head_dims  # imports triton
+    @classmethod
+    def unsupported_reason(
+        cls, layer: LayerSpec, kv_dtype: torch.dtype, page_size: int, max_q_len: int = 1, batch_size: int = 1
+    ) -> str | None:
+        from hal.backends.cuda.triton_attention import head_dims_reason  # imports triton
 
-        check_head_dims(layer.head_dim, layer.v_head_dim)
+        return head_dims_reason(layer.head_dim, layer.v_head_dim)
 
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None

@@ -227,13 +227,18 @@ def _combine_splits_kernel(
              mask=offs_dv < DV)
 
 
+def head_dims_reason(head_dim: int, v_head_dim: int) -> str | None:
+    """Why the kernel's tiles do not cover these head dims, or None when they do."""
+    if max(head_dim, v_head_dim) > MAX_HEAD_DIM:
+        return f"Triton paged attention supports head dims up to {MAX_HEAD_DIM}, got head_dim={head_dim}, v_head_dim={v_head_dim}"
+    return None
+
+
 def check_head_dims(head_dim: int, v_head_dim: int) -> None:
     """Raise ``UnsupportedConfigError`` for head dims the kernel's tiles do not cover."""
-    if max(head_dim, v_head_dim) > MAX_HEAD_DIM:
-        raise UnsupportedConfigError(
-            f"Triton paged attention supports head dims up to {MAX_HEAD_DIM}, "
-            f"got head_dim={head_dim}, v_head_dim={v_head_dim}"
-        )
+    reason = head_dims_reason(head_dim, v_head_dim)
+    if reason is not None:
+        raise UnsupportedConfigError(reason)
 
 
 def _next_pow2(n: int) -> int:

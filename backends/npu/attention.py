@@ -113,8 +113,15 @@ class NpuAttention(AttentionKernelBase):
         self._mask = causal_template_mask(pool.device)
         self._checked: set[tuple[LayerSpec, bool]] = set()
 
+    @classmethod
+    def unsupported_reason(
+        cls, layer: LayerSpec, kv_dtype: torch.dtype, page_size: int, max_q_len: int = 1, batch_size: int = 1
+    ) -> str | None:
+        return unsupported_reason(layer, kv_dtype, page_size, max_q_len, batch_size)
+
     def check_supported(self, layer: LayerSpec, metadata: AttentionMetadata) -> None:
-        """Raise UnsupportedConfigError if FIA v2 cannot run ``layer`` on this pool for ``metadata``."""
+        """Raise UnsupportedConfigError if FIA v2 cannot run ``layer`` on this pool for ``metadata``
+        (the base class's check, remembered per layer and query kind)."""
         max_q = max(metadata.q_lens_cpu, default=0)
         key = (layer, max_q > 1)
         if key in self._checked and metadata.batch_size <= MAX_BATCH:

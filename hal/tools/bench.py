@@ -33,68 +33,16 @@ import attrs
 import torch
 
 from hal.allocator import KVAllocator, RequestPageTable
-from hal.errors import ResultMismatchError, UnsupportedConfigError
+from hal.errors import ResultMismatchError
 from hal.metadata import build_metadata
 from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
 from hal.tools.cli import backend_from_args
+from hal.tools.measurement import HEADER, Measurement, judged
 
 # MiMo-V2-Flash attention (see the reference notes): 48 layers, 9 full + 39 SWA, qk 192 / v 128.
 MIMO_LAYERS, MIMO_FULL_LAYERS = 48, (0, 5, 11, 17, 23, 29, 35, 41, 47)
 MIMO_FULL_KV_HEADS, MIMO_SWA_KV_HEADS, MIMO_QK_DIM, MIMO_V_DIM = 4, 8, 192, 128
-
-
-@attrs.frozen
-class Measurement:
-    """One row of the results table. ``ratio`` is hal relative to the baseline, as ``ratio_of`` says."""
-
-    name: str
-    hal: float
-    baseline: float
-    unit: str
-    ratio: float
-    ratio_of: str  # what the ratio means, e.g. "hal/copy throughput"
-    target: str = ""
-    met: bool | None = None
-    spread: tuple[float, float] | None = None  # lowest and highest of the paired ratios
-
-    @property
-    def noisy(self) -> bool:
-        """Whether the spread is too wide to judge: the paired ratios vary by more than 1.5x, or the
-        target's bound lies inside them (the verdict could go either way)."""
-        if self.spread is None:
-            return False
-        low, high = self.spread
-        if low <= 0 or high / low > 1.5:
-            return True
-        return bool(self.target) and low <= float(self.target.split()[-1]) <= high
-
-    def cells(self) -> list[str]:
-        """The row's cells in ``HEADER`` order."""
-        met = "" if self.met is None else ("yes" if self.met else "**no**")
-        if self.noisy:
-            met = (met + " (noisy)").strip()
-        spread = "" if self.spread is None else f"{self.spread[0]:.3g}-{self.spread[1]:.3g}"
-        return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", spread, self.ratio_of,
-                self.target, met]
-
-
-HEADER = ["benchmark", "hal", "baseline", "unit", "ratio", "spread", "ratio is", "target", "met"]
-
-
-def judged(name: str, hal: float, baseline: float, unit: str, ratios: Sequence[float], ratio_of: str, target: str = "") -> Measurement:
-    """A row from paired ratios: their median, their spread, and the verdict against ``target``
-    (``">= x"`` or ``"<= x"``) from the median."""
-    ratio = statistics.median(ratios)
-    met = None
-    if target:
-        op, bound = target.split()
-        met = ratio >= float(bound) if op == ">=" else ratio <= float(bound)
-    return Measurement(name, hal, baseline, unit, ratio, ratio_of, target, met, (min(ratios), max(ratios)))
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}" if abs(x) < 1e5 else f"{x:,.0f}"
 
 
 @attrs.frozen
@@ -456,23 +404,13 @@ def bench_memory() -> list[Measurement]:
 # running and reporting
 
 
-def _pick_dtype(backend: Backend, cfg: BenchConfig) -> torch.dtype:
-    """float32 where the kernel takes it, else bfloat16 (FIA v2 on Ascend)."""
-    for dtype in (torch.float32, torch.bfloat16):
-        s = _Setup(backend, dtype, attrs.evolve(cfg, decode_batch=1, decode_kv_len=cfg.page_size))
-        try:
-            bench_attention(attrs.evolve(s, cfg=attrs.evolve(s.cfg, repeats=1, warmup=0, min_sample_s=0.0)), ForwardMode.DECODE)
-            return dtype
-        except UnsupportedConfigError:
-            continue
-    raise UnsupportedConfigError(f"backend {backend.name!r} runs the benchmark layer in neither float32 nor bfloat16")
-
-
 def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = False, versus_transformers: bool = False,
-                   versus_plain: bool = False, device: str = "cpu", emulate: bool = False, quick: bool = False,
+                   versus_plain: bool = False, quick: bool = False,
                    log: Callable[[str], None] = print) -> list[Measurement]:
     """Every measurement, in table order."""
-    dtype = _pick_dtype(backend, cfg)
+    layer = _Setup(backend, torch.float32, cfg).layer()
+    dtype = backend.kv_dtype_for([layer, attrs.evolve(layer, sliding_window=cfg.window)], cfg.page_size,
+                                 max_q_len=cfg.extend_len, batch_size=cfg.decode_batch)
     s = _Setup(backend, dtype, cfg)
     log(f"backend {backend.name!r} on {backend.device}, {str(dtype).replace('torch.', '')}, torch threads {torch.get_num_threads()}")
     results = bench_kv_write(s, 64) + bench_kv_write(s, cfg.write_tokens)
@@ -483,15 +421,15 @@ def run_benchmarks(backend: Backend, cfg: BenchConfig, *, speculative: bool = Fa
     if speculative:
         from hal.tools.bench_decoding import bench_speculative
 
-        results += bench_speculative(device, emulate, quick)
+        results += bench_speculative(backend, quick)
     if versus_plain:
         from hal.tools.bench_decoding import bench_vs_plain
 
-        results += bench_vs_plain(device, emulate, quick, log=log)
+        results += bench_vs_plain(backend, quick, log=log)
     if versus_transformers:
         from hal.tools.bench_decoding import bench_vs_transformers
 
-        results += bench_vs_transformers(device, emulate, quick, log=log)
+        results += bench_vs_transformers(backend, quick, log=log)
     return results
 
 
@@ -591,7 +529,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(cfg, repeats=args.repeats)
     backend = backend_from_args(args)
     results = run_benchmarks(backend, cfg, speculative=args.speculative, versus_transformers=args.transformers,
-                             versus_plain=args.plain, device=args.device, emulate=args.emulate, quick=args.quick)
+                             versus_plain=args.plain, quick=args.quick)
     title = (f"hal bench: {backend.name} on {backend.device}{' (emulated)' if args.emulate else ''}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, ratios: median of {cfg.repeats} paired samples")
     print(markdown_table(results))

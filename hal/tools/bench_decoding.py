@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from hal.errors import ResultMismatchError
+from hal.protocols import Backend
 from hal.speculative import GenerationResult
-from hal.tools.bench import Measurement, judged
+from hal.tools.measurement import Measurement, judged
 
 
 def _distilled_demo_model() -> Any:
@@ -30,14 +31,14 @@ def _distilled_demo_model() -> Any:
     return model
 
 
-def bench_speculative(backend_device: str, emulate: bool, quick: bool) -> list[Measurement]:
+def bench_speculative(backend: Backend, quick: bool) -> list[Measurement]:
     """Plain greedy vs the MTP worker (``speculative``), alternating runs, medians."""
     from hal.tools import demo
 
     model = _distilled_demo_model()
     batch, new_tokens, repeats = (2, 16, 1) if quick else (4, 64, 3)
-    plain, spec, _ = demo.build_engines(model, backend_device, 3, "auto", emulate=emulate, page_size=128,
-                                        max_batch_size=batch, max_seq_len=16 + 3 * batch + new_tokens + 4)
+    plain, spec = demo.build_engines(model, backend, 3, None, page_size=128, max_batch_size=batch,
+                                     max_seq_len=16 + 3 * batch + new_tokens + 4)
     prompts = demo.make_prompts(batch, model.config.vocab_size, 0)
     plain.generate(prompts[:1], 2)
     spec.generate(prompts[:1], 2)
@@ -54,7 +55,7 @@ def bench_speculative(backend_device: str, emulate: bool, quick: bool) -> list[M
 
 
 def bench_vs_plain(
-    backend_device: str, emulate: bool, quick: bool, log: Callable[[str], None] = print
+    backend: Backend, quick: bool, log: Callable[[str], None] = print
 ) -> list[Measurement]:
     """hal greedy and hal MTP (S=3) vs ``PlainDecoder`` on the demo's distilled model: batch 1, 4 and 8,
     prompts of 64 and 1024 tokens, 32 new tokens, whole calls (prefill included) timed alternately.
@@ -70,11 +71,11 @@ def bench_vs_plain(
     out = []
     for batch, prompt_len in shapes:
         prompts = torch.randint(1, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()
-        engine_args: dict[str, Any] = {"emulate": emulate, "max_batch_size": batch, "max_seq_len": prompt_len + new_tokens + 4,
+        engine_args: dict[str, Any] = {"max_batch_size": batch, "max_seq_len": prompt_len + new_tokens + 4,
                                        "graph_batch_sizes": [batch]}
         decoders: dict[str, GreedyDecoder | MultiLayerEagleWorker] = {
-                    "greedy": GreedyDecoder(model, backend_device, **engine_args),
-                    "mtp": MultiLayerEagleWorker(model, backend_device, num_steps=3, **engine_args)}
+                    "greedy": GreedyDecoder(model, backend, **engine_args),
+                    "mtp": MultiLayerEagleWorker(model, backend, num_steps=3, **engine_args)}
         plain.generate(prompts, 2)  # warm-up: first calls and captures stay out of the figures
         for engine in decoders.values():
             engine.generate(prompts, 2)
@@ -99,7 +100,7 @@ def bench_vs_plain(
 
 
 def bench_vs_transformers(
-    backend_device: str, emulate: bool, quick: bool, log: Callable[[str], None] = print
+    backend: Backend, quick: bool, log: Callable[[str], None] = print
 ) -> list[Measurement]:
     """hal greedy and hal MTP (S=3) vs ``MiMoV2FlashForCausalLM.generate`` (greedy, its default cache
     and attention) on the demo's distilled model saved as a MiMo-V2-Flash checkpoint; batch 1 and 4,
@@ -120,10 +121,10 @@ def bench_vs_transformers(
     out = []
     for batch, prompt_len in shapes:
         prompts = torch.randint(1, model.config.vocab_size, (batch, prompt_len), generator=gen)
-        engine_args: dict[str, Any] = {"emulate": emulate, "max_batch_size": batch, "max_seq_len": prompt_len + new_tokens + 4,
+        engine_args: dict[str, Any] = {"max_batch_size": batch, "max_seq_len": prompt_len + new_tokens + 4,
                                        "graph_batch_sizes": [batch]}
-        plain = GreedyDecoder(model, backend_device, **engine_args)
-        mtp = MultiLayerEagleWorker(model, backend_device, num_steps=3, **engine_args)
+        plain = GreedyDecoder(model, backend, **engine_args)
+        mtp = MultiLayerEagleWorker(model, backend, num_steps=3, **engine_args)
         rows = prompts.tolist()
         plain.generate(rows[:1], 2)  # warm-up: graph capture and first calls stay out of the figures
         mtp.generate(rows[:1], 2)

@@ -58,6 +58,22 @@ def _threads_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def dtype_option(name: str) -> Any:
+    """A ``--dtype``/``--kv-dtype`` choice as a ``torch.dtype``; None for ``auto`` (the backend decides)."""
+    import torch  # only when a command runs
+
+    return None if name == "auto" else getattr(torch, name)
+
+
+def _kv_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--page-size", type=positive_int, default=None, help="KV page size (default: the backend's default_page_size)")
+    parser.add_argument("--kv-dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="KV cache dtype; auto = the backend's choice for the model's layers (float32 where its kernel takes it, else bfloat16)")
+
+
 def _info_options(parser: argparse.ArgumentParser) -> None:
     """``hal info`` takes no options."""
 
@@ -71,9 +87,7 @@ def add_demo_options(parser: argparse.ArgumentParser) -> None:
                         help="greedy continuations to distil on (default: DistillConfig's)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per request")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="number of prompts")
-    parser.add_argument("--page-size", type=positive_int, default=128, help="KV page size (128 is legal on every backend)")
-    parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                        help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
+    _kv_options(parser)
     _threads_option(parser)
     parser.add_argument("--seed", type=int, default=0, help="model and prompt seed")
     parser.add_argument("--no-cache", action="store_true", help="retrain the MTP blocks even if cached")
@@ -114,11 +128,9 @@ def _generate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt (default: 32)")
     parser.add_argument("--speculative", choices=["none", "mtp"], default="none", help="MTP speculative decoding (default: none)")
     parser.add_argument("--num-draft-steps", type=positive_int, default=1, help="MTP draft steps S with --speculative mtp (default: 1)")
-    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="dtype the weights load in; auto = the backend's preferred one (float32 on cpu, bfloat16 on npu and cuda)")
-    parser.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                        help="KV cache dtype; auto = float32, or bfloat16 where the backend's kernel takes no float32")
-    parser.add_argument("--page-size", type=positive_int, default=None, help="KV page size (default: the backend's)")
+    _kv_options(parser)
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor-parallel ranks: N local processes on the device type, over its collective (default: 1)")
     parser.add_argument("--tp-timeout", type=positive_float, default=60.0,

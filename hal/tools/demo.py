@@ -11,20 +11,17 @@ import argparse
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import attrs
 import torch
 
-from hal.errors import UnsupportedConfigError
+from hal.protocols import Backend
 from hal.speculative.distill import DistillConfig, DistillReport, distill
 from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.model import EngineModel, TinyConfig, TinyMiMo
 from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
-from hal.tools.cli import backend_from_args
-
-T = TypeVar("T")
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from hal.tools.cli import backend_from_args, dtype_option
 
 
 def make_prompts(batch_size: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -60,31 +57,12 @@ def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], 
     return show
 
 
-def with_kv_dtype(kv_dtype: str, build: Callable[[torch.dtype], T]) -> tuple[T, torch.dtype]:
-    """``build(dtype)`` for the KV-cache dtype named ``kv_dtype``; ``"auto"`` tries float32 and falls
-    back to bfloat16 when the backend's kernel rejects float32 (it does so capturing the first graph)."""
-    candidates = [torch.float32, torch.bfloat16] if kv_dtype == "auto" else [KV_DTYPES[kv_dtype]]
-    for i, dtype in enumerate(candidates):
-        try:
-            return build(dtype), dtype
-        except UnsupportedConfigError:
-            if i + 1 == len(candidates):
-                raise
-    raise AssertionError("unreachable")
-
-
 def build_engines(
-    model: EngineModel, device: str, num_steps: int, kv_dtype: str, **engine_args: Any
-) -> tuple[GreedyDecoder, MultiLayerEagleWorker, torch.dtype]:
-    """Both decoders on ``device``, with the KV dtype ``with_kv_dtype`` picks."""
-    (plain, spec), dtype = with_kv_dtype(
-        kv_dtype,
-        lambda dt: (
-            GreedyDecoder(model, device, kv_dtype=dt, **engine_args),
-            MultiLayerEagleWorker(model, device, num_steps=num_steps, kv_dtype=dt, **engine_args),
-        ),
-    )
-    return plain, spec, dtype
+    model: EngineModel, backend: Backend, num_steps: int, kv_dtype: torch.dtype | None, **engine_args: Any
+) -> tuple[GreedyDecoder, MultiLayerEagleWorker]:
+    """Both decoders on ``backend``; ``kv_dtype`` None lets the backend choose for the model's layers."""
+    plain = GreedyDecoder(model, backend, kv_dtype=kv_dtype, **engine_args)
+    return plain, MultiLayerEagleWorker(model, backend, num_steps=num_steps, kv_dtype=kv_dtype, **engine_args)
 
 
 @attrs.frozen
@@ -95,7 +73,6 @@ class DemoSetup:
     report: DistillReport
     plain: GreedyDecoder
     spec: MultiLayerEagleWorker
-    kv_dtype: torch.dtype
 
 
 def setup(
@@ -107,7 +84,7 @@ def setup(
     both decoders sized for ``max_batch_size`` prompts of ``args.max_new_tokens`` new tokens."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    backend_from_args(args)  # an unknown or unavailable device fails before training
+    backend = backend_from_args(args)  # an unknown or unavailable device fails before training
     tiny = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
     overrides = {k: v for k, v in (("steps", args.train_steps), ("num_sequences", args.train_sequences)) if v is not None}
     report = distill(tiny, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
@@ -115,23 +92,23 @@ def setup(
     with tempfile.TemporaryDirectory() as scratch:
         directory = tiny.save_pretrained(args.export or scratch)
         model = MiMoV2Flash.from_pretrained(directory)
-    plain, spec, kv_dtype = build_engines(
+    plain, spec = build_engines(
         model,
-        args.device,
+        backend,
         args.num_steps,
-        args.kv_dtype,
-        emulate=args.emulate,
+        dtype_option(args.kv_dtype),
         page_size=args.page_size,
         max_batch_size=max_batch_size,
         max_seq_len=16 + 3 * max_batch_size + args.max_new_tokens + args.num_steps + 1,
     )
-    return DemoSetup(model, report, plain, spec, kv_dtype)
+    return DemoSetup(model, report, plain, spec)
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run the demo; returns 0 when speculative output equals plain greedy output, 1 otherwise."""
     demo = setup(args, args.batch_size, progress=progress_printer(out))
-    model, report, plain, spec, kv_dtype = demo.model, demo.report, demo.plain, demo.spec, demo.kv_dtype
+    model, report, plain, spec = demo.model, demo.report, demo.plain, demo.spec
+    pool = spec.target_pool.spec
     where = f"loaded from {report.cache_path}" if report.from_cache else f"trained in {report.seconds:.1f}s"
     print(f"MTP blocks: {where}", file=out)
     prompts = make_prompts(args.batch_size, model.config.vocab_size, args.seed)
@@ -143,7 +120,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     identical = base.tokens == fast.tokens
     speedup = fast.tokens_per_second / base.tokens_per_second
     print(f"backend: {spec.backend_name} (device {spec.device}{', emulated' if args.emulate else ''})", file=out)
-    print(f"KV cache: {str(kv_dtype).replace('torch.', '')}, pages of {args.page_size} tokens", file=out)
+    print(f"KV cache: {str(pool.dtype).replace('torch.', '')}, pages of {pool.page_size} tokens", file=out)
     print(f"requests: {len(prompts)}, prompt lengths {[len(p) for p in prompts]}, {args.max_new_tokens} new tokens each", file=out)
     print(f"plain greedy:     {base.tokens_per_second:8.1f} tokens/s  ({base.target_forwards} target forwards)", file=out)
     print(

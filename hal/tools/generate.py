@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-import hal
-from hal.distributed import init_tensor_parallel, launch_environment, rank_device, shutdown
+from hal.distributed import init_tensor_parallel, launch_environment, shutdown
 from hal.errors import CheckpointError, SpecError
+from hal.protocols import Backend
 from hal.speculative import GenerationResult, GreedyDecoder, MultiLayerEagleWorker
 from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.mimo_config import MiMoConfig
-from hal.tools.cli import backend_from_args
-from hal.tools.demo import KV_DTYPES, progress_printer, with_kv_dtype
+from hal.tools.cli import backend_from_args, dtype_option
+from hal.tools.demo import progress_printer
 from hal.tools.tp_launch import run_ranks
 
 
@@ -73,43 +73,40 @@ def check_prompts(prompts: list[list[int]], config: MiMoConfig) -> None:
                 raise SpecError(f"prompt {i} position {j}: token id {token} is outside the vocabulary 0..{config.vocab_size - 1}")
 
 
-def decode(args: argparse.Namespace, prompts: list[list[int]]) -> GenerationResult:
+def decode(args: argparse.Namespace, prompts: list[list[int]], backend: Backend | None = None) -> GenerationResult:
     """Load the checkpoint (this rank's shard under tensor parallelism) and decode ``prompts``.
 
-    A rank of a TP group (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` in the environment, as torchrun
-    and ``run_ranks`` set them) joins the group over its backend's collective first."""
+    ``backend`` is the one ``run`` resolved from ``--device`` (a spawned rank resolves it in its own
+    process); a rank of a TP group (``RANK`` / ``WORLD_SIZE``
+    / ``LOCAL_RANK`` in the environment, as torchrun and ``run_ranks`` set them) takes its device
+    from it (``for_rank``) and joins the group over the backend's collective first."""
     rank, world_size, local_rank = launch_environment() or (0, 1, 0)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif world_size > 1:  # local ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    device = rank_device(args.device, local_rank) if world_size > 1 else args.device
-    backend = hal.get_backend(device, emulate=args.emulate)
+    backend = (backend or backend_from_args(args)).for_rank(local_rank)
     collective = backend.collective_backend if world_size > 1 else ""
-    dtype = backend.preferred_dtype if args.dtype == "auto" else KV_DTYPES[args.dtype]
     tp = init_tensor_parallel(collective, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=args.tp_timeout)
     try:
         show = progress_printer(sys.stderr)
         quiet = args.json or rank != 0
-        model = MiMoV2Flash.from_pretrained(args.model, dtype=dtype, tp=tp, progress=None if quiet else lambda d, t: show("loading weights", d, t, None))
+        dtype = dtype_option(args.dtype) or backend.preferred_dtype
+        model = MiMoV2Flash.from_pretrained(args.model, dtype=dtype, tp=tp,
+                                            progress=None if quiet else lambda d, t: show("loading weights", d, t, None))
         steps = args.num_draft_steps if args.speculative == "mtp" else 0
-        available = model.config.num_mtp_layers
+        available = model.spec.num_draft_layers
         if steps and not 1 <= steps <= available:
             what = f"1..{available}" if available else "MTP layers, and the checkpoint has none (model.mtp.layers.*)"
             raise SpecError(f"--num-draft-steps {steps}: --speculative mtp needs {what}")
         engine_args: dict[str, Any] = {
-            "emulate": args.emulate,
             "page_size": args.page_size,
+            "kv_dtype": dtype_option(args.kv_dtype),
             "max_batch_size": len(prompts),
             "max_seq_len": max(len(p) for p in prompts) + args.max_new_tokens + steps + 1,
         }
-
-        def build(dtype: torch.dtype) -> GreedyDecoder | MultiLayerEagleWorker:
-            if steps:
-                return MultiLayerEagleWorker(model, device, num_steps=steps, kv_dtype=dtype, **engine_args)
-            return GreedyDecoder(model, device, kv_dtype=dtype, **engine_args)
-
-        engine, _ = with_kv_dtype(args.kv_dtype, build)
+        engine = (MultiLayerEagleWorker(model, backend, num_steps=steps, **engine_args) if steps
+                  else GreedyDecoder(model, backend, **engine_args))
         return engine.generate(prompts, args.max_new_tokens, eos_token_id=model.config.eos_token_ids)
     finally:
         shutdown(tp)
@@ -120,18 +117,18 @@ def run(args: argparse.Namespace) -> int:
     torchrun each process is one rank and rank 0 prints."""
     prompts, tokenizer = read_prompts(args)
     check_prompts(prompts, MiMoConfig.from_file(Path(args.model) / "config.json"))  # before any weight loads
-    backend_from_args(args)  # an unknown or unavailable device fails before loading
+    backend = backend_from_args(args)  # an unknown or unavailable device fails before loading
     if not isinstance(args.tp, int) or args.tp < 1:
         raise SpecError(f"--tp must be an int >= 1, got {args.tp!r}")
     launched = launch_environment()
     if launched is not None:
-        result = decode(args, prompts)
+        result = decode(args, prompts, backend)
         if launched[0] != 0:
             return 0
     elif args.tp > 1:
         result = run_ranks(decode, args.tp, args, prompts)[0]
     else:
-        result = decode(args, prompts)
+        result = decode(args, prompts, backend)
     steps = args.num_draft_steps if args.speculative == "mtp" else 0
     tokens = [list(t) for t in result.tokens]
     if args.json:
