@@ -1,8 +1,8 @@
 """hal's attention backend against SGLang's own ``torch_native`` inside ``sglang.Engine``, one run.
 
-    PYTHONPATH=tests/sglang_plugin/site SGLANG_USE_CPU_ENGINE=1 \\
+    PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 \\
         python benchmarks/sglang_speed.py [--prompt-lens 128 900] [--dtypes float32 float16] [--repeats 5]
-    PYTHONPATH=tests/sglang_plugin/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
+    PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
         python benchmarks/sglang_speed.py --mtp [--batch 4] [--new-tokens 64] [--repeats 5]
 
 Both engines serve the same random Llama (saved by transformers) side by side; each timed sample is

@@ -137,9 +137,10 @@ class BackendBase:
         self.check_layers(layers, KV_DTYPE_PREFERENCE[-1], page_size, max_q_len=max_q_len, batch_size=batch_size)
         raise AssertionError("unreachable")  # check_layers raised for the layer that fails
 
-    def create_graph(self) -> GraphBase:
-        """A fresh, uncaptured ``graph_class`` graph."""
-        return self.graph_class()
+    def create_graph(self, *, tp_group: Any = None) -> GraphBase:
+        """A fresh, uncaptured ``graph_class`` graph; with ``tp_group``, its capture waits on that
+        tensor-parallel group's barrier (every rank warms up, then captures together)."""
+        return self.graph_class(tp_group=tp_group)  # type: ignore[call-arg]
 
     def graph_memory_pool(self) -> Any:
         """A memory-pool handle the graphs of one runner share (None: the runtime has none)."""

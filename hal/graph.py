@@ -200,8 +200,8 @@ class EagerGraph(GraphBase):
     """``capture`` runs ``fn`` once and keeps its outputs as the static outputs; ``replay`` re-runs
     ``fn`` (which reads the refreshed buffers) and copies the results into those outputs."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, tp_group: Any = None) -> None:
+        super().__init__(tp_group=tp_group)
         self._fn: Callable[[], Any] | None = None
 
     def _capture(self, fn: Callable[[], T], memory_pool: Any) -> T:

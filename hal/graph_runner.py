@@ -73,10 +73,10 @@ class GraphRunner:
         replay_captured: bool | None = None,
         tp_group: Any = None,
     ) -> None:
-        if not mode.has_uniform_query_len() or mode.is_idle():
-            raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
         if not isinstance(mode, ForwardMode):
             raise SpecError(f"GraphRunner: mode must be a hal.ForwardMode, got {mode!r}")
+        if not mode.has_uniform_query_len() or mode.is_idle():
+            raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
         tokens_per_request = strict_int(tokens_per_request, "GraphRunner.tokens_per_request")
         max_pages_per_request = strict_int(max_pages_per_request, "GraphRunner.max_pages_per_request")
         if tokens_per_request < 1 or max_pages_per_request < 1:
@@ -145,9 +145,7 @@ class GraphRunner:
                 max_pages=self.max_pages_per_request,
             )
             inputs = {name: buf[: bs * tpr] for name, buf in self._static_inputs.items()}
-            graph = self.backend.create_graph()
-            if self.tp_group is not None and isinstance(graph, GraphBase):
-                graph.tp_group = self.tp_group  # every rank warms up, then captures after a barrier
+            graph = self.backend.create_graph(tp_group=self.tp_group)
             outputs = graph.capture(functools.partial(self.forward, inputs, metadata), memory_pool=memory_pool)
             self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
         self._capture_done = True

@@ -175,8 +175,8 @@ class Backend(Protocol):
         """The attention kernel for ``pool`` (every forward mode)."""
         ...
 
-    def create_graph(self) -> Graph:
-        """A fresh, uncaptured graph."""
+    def create_graph(self, *, tp_group: Any = None) -> Graph:
+        """A fresh, uncaptured graph (its capture waits on ``tp_group``'s barrier when given)."""
         ...
 
     def unsupported_reason(

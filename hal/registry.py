@@ -19,7 +19,6 @@ import importlib
 import importlib.metadata
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -256,10 +255,3 @@ def list_backends() -> list[BackendInfo]:
             out.append(BackendInfo(device_type, target, entry.source, _probe(cls),
                                    str(getattr(cls, "collective_backend", "-")), _auto_priority(cls)))
         return out
-
-
-def iter_available() -> Iterator[str]:
-    """Device types whose probe says they can run on this machine."""
-    for info in list_backends():
-        if info.availability.available:
-            yield info.device_type

@@ -1,6 +1,6 @@
 """Everything a backend author needs, in one module; a backend imports from here and nowhere else.
 
-Adding a backend (device type ``mydev``; ``tests/oot_backend/site/hal_oot_example`` is a complete one):
+Adding a backend (device type ``mydev``; ``tests/tools/oot_backend/site/hal_oot_example`` is a complete one):
 
 1. **Pool**: subclass ``SplitKVPool``; override ``_allocate(shape)`` and ``_write_rows(buffer, loc,
    rows)`` only where your memory or write op differs. Layout, SWA mapping and validation come with it.

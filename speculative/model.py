@@ -10,7 +10,7 @@ final norm, and shares the target's embedding and lm_head.
 
 The model does no attention itself: every layer calls an ``Attend`` callable with its q/k/v
 (fp32, RoPE applied), so the same weights run through a hal ``AttentionKernel`` at inference
-(``speculative.runtime.KernelAttend``) and through differentiable reference math in training.
+(``hal.speculative.engine.KernelAttend``) and through differentiable reference math in training.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Multi-layer EAGLE (MTP) speculative decoding on hal, device-neutral (see ``hal.speculative.engine``).
 
-Speculative iteration (SGLang spec v2, chain drafts, see reference/mtp_algorithm.md §1.3):
+Speculative iteration (SGLang's EAGLE worker v2 with chain drafts):
 request ``b`` has ``L`` committed KV positions, its bonus token (the target's last prediction,
 not yet in the cache) and drafts ``d1..dS`` from the previous iteration.
 

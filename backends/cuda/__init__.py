@@ -115,8 +115,8 @@ class CudaBackend(BackendBase):
             return Availability(False, "; ".join(missing), device_count=count, versions=versions)
         return Availability(True, torch.cuda.get_device_name(0), device_count=count, versions=versions)
 
-    def create_graph(self) -> GraphBase:
-        return EagerGraph() if self.emulated else CudaGraph(self.device)
+    def create_graph(self, *, tp_group: Any = None) -> GraphBase:
+        return EagerGraph(tp_group=tp_group) if self.emulated else CudaGraph(self.device, tp_group=tp_group)
 
     def graph_memory_pool(self) -> Any:
         """A fresh CUDA graph memory pool handle; one runner shares it across its batch sizes."""

@@ -20,8 +20,8 @@ class CudaGraph(GraphBase):
     updates are refused rather than silently lost.
     """
 
-    def __init__(self, device: torch.device, warmup_runs: int = 2) -> None:
-        super().__init__(warmup_runs=warmup_runs)
+    def __init__(self, device: torch.device, warmup_runs: int = 2, *, tp_group: Any = None) -> None:
+        super().__init__(warmup_runs=warmup_runs, tp_group=tp_group)
         self.device = device
         self._graph: torch.cuda.CUDAGraph | None = None
 

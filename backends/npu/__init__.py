@@ -93,10 +93,10 @@ class NpuBackend(BackendBase):
 
         emulator.install()
 
-    def create_graph(self) -> NpuGraph:
+    def create_graph(self, *, tp_group: Any = None) -> NpuGraph:
         if self._capture_stream is None:
             self._capture_stream = runtime.npu().Stream(device=self.device)
-        return NpuGraph(stream=self._capture_stream)
+        return NpuGraph(stream=self._capture_stream, tp_group=tp_group)
 
     def graph_memory_pool(self) -> Any:
         """One memory pool shared by every graph of this backend."""

@@ -22,7 +22,8 @@ SPARSE_RIGHT_DOWN_CAUSAL = 3
 SPARSE_BAND = 4
 TEMPLATE_MASK_SIZE = 2048
 
-# What FIA v2 accepts in TND with a paged cache (npu_ops_spec.md §1.5, §1.6, §1.9, §1.10).
+# What FIA v2 accepts in TND with a paged cache (torch_npu's FIA v2 documentation: heads, paged
+# cache, learnable sinks, dtypes and head dims).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 TND_HEAD_DIMS = frozenset({(128, 128), (192, 128), (192, 192)})  # (qk, v)
 # The documentation: "GQA and PA do not support V_D = 192". hal's cache is always paged, so (192, 192) is

@@ -1,4 +1,4 @@
-"""A strict, pure-torch CPU stand-in for the torch_npu surface ``hal.hal.backends.npu`` uses.
+"""A strict, pure-torch CPU stand-in for the torch_npu surface ``hal.backends.npu`` uses.
 
 ``install()`` puts a fake ``torch_npu`` module into ``sys.modules`` and its ``npu`` submodule at
 ``torch.npu``; ``uninstall()`` reverts both. Nothing is installed implicitly: tests and
@@ -8,10 +8,10 @@ What it provides (and nothing more):
 
 * ``torch_npu.npu_fused_infer_attention_score_v2`` (FIA v2), a ``torch.library`` op so graph capture
   sees it as one call with its host list arguments. It **rejects what the real op rejects**
-  (the checklist of ``npu_ops_spec.md`` §1.12) with :class:`NpuOpError`, and computes the documented
-  result (§1.7-1.9) for the TND layout with a paged KV cache, the form the backend uses. Other
+  (the errors the torch_npu op-plugin documentation and the CANN checkers list) with :class:`NpuOpError`, and computes the documented
+  result (masks, sparse modes and learnable sinks as documented) for the TND layout with a paged KV cache, the form the backend uses. Other
   layouts, rope, pse, quantisation and NZ caches pass the checks but raise ``NotImplementedError``.
-* ``torch_npu.npu_scatter_nd_update_`` (in place, §2.1), with its shape/dtype rules.
+* ``torch_npu.npu_scatter_nd_update_`` (in place), with its shape/dtype rules.
 * ``torch.npu``: ``NPUGraph``, ``graph(...)``, ``graph_pool_handle``, ``synchronize``, ``Stream``,
   ``current_stream``, ``stream``, ``is_available``, ``device_count``, ``current_device``.
 

@@ -1,5 +1,7 @@
-"""FIA v2 (``npu_fused_infer_attention_score_v2``): argument checks (npu_ops_spec.md §1.3-1.7, §1.9,
-§1.10, §1.12), the reference computation (§1.8) and the ``torch.library`` op graph capture sees."""
+"""FIA v2 (``npu_fused_infer_attention_score_v2``): argument checks (layouts,
+lengths, heads, paged cache, masks and sparse modes, sinks, dtypes and head dims, as the torch_npu
+op-plugin documentation and the CANN checkers state them), the reference computation (CANN's golden
+reference) and the ``torch.library`` op graph capture sees."""
 
 from __future__ import annotations
 
@@ -25,10 +27,10 @@ _TND_FAMILY = ("TND", "NTD", "TND_NTD", "NTD_TND")
 _SINK_LAYOUTS = ("TND", "NTD_TND")
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
-# The op's limits, written from npu_ops_spec.md independently of the backend's own copy in
+# The op's limits, written from the op's documentation independently of the backend's own copy in
 # hal.backends.npu.attention: the emulator stands in for the vendor op, so a wrong limit in the
 # backend shows up as a refused call here instead of agreeing with itself.
-# (qk head dim, v head dim) pairs TND accepts without rope (§1.10).
+# (qk head dim, v head dim) pairs TND accepts without rope.
 TND_HEAD_DIMS = frozenset({(128, 128), (192, 128), (192, 192)})
 # The newer documentation: "GQA and PA do not support V_D = 192" (paged KV is the only emulated path).
 PAGED_GQA_FORBIDDEN_V_HEAD_DIM = 192
@@ -328,7 +330,7 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
 
 
 def _allowed_keys(plan: FiaPlan, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] True where query row i attends key j (§1.7, bottom-right origin per request)."""
+    """[q_len, kv_len] True where query row i attends key j (bottom-right origin per request)."""
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)[None, :]
     diag = i + (kv_len - q_len)

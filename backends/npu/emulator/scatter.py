@@ -1,4 +1,4 @@
-"""``npu_scatter_nd_update_`` (npu_ops_spec.md §2.1), in place, with its shape and dtype rules."""
+"""``npu_scatter_nd_update_`` (torch_npu), in place, with its shape and dtype rules."""
 
 from __future__ import annotations
 

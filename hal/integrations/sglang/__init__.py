@@ -20,7 +20,7 @@ TESTED_SGLANG_VERSION = "0.5.23"
 
 #: Every SGLang name the adapters read, call, subclass or patch, by module (SGLang 0.5.23), so an
 #: upgrade knows what to re-check. ``Class.member`` names a method, class attribute, dataclass
-#: field or instance attribute; ``tests/sglang_plugin/test_plugin.py`` checks each still exists.
+#: field or instance attribute; ``tests/integrations/sglang/test_plugin.py`` checks each still exists.
 SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
     "sglang.srt.plugins": ("PLATFORM_PLUGINS_GROUP", "GENERAL_PLUGINS_GROUP"),
     "sglang.srt.arg_groups.choices": ("ATTENTION_BACKEND_CHOICES", "add_attention_backend_choices"),

@@ -20,7 +20,7 @@ from hal.tools.tp_launch import run_ranks
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from test_mimo import add_mtp_layers, make_checkpoint  # noqa: E402  (after the importorskips)
+from tiny_mimo_checkpoints import add_mtp_layers, make_checkpoint  # noqa: E402  (after the importorskips)
 
 from hal.speculative.mimo_config import MiMoConfig  # noqa: E402
 
@@ -75,7 +75,7 @@ def test_shard_counts_that_do_not_divide_are_named(checkpoint: Path, capsys: pyt
 def test_per_rank_kv_bytes_of_the_published_model() -> None:
     """MiMo-V2-Flash's published attention dims (tests/data/mimo_v2_flash_dims.json: 9 full layers
     with 4 kv heads, 39 SWA layers with 8, qk 192 + v 128), bf16."""
-    published = Path(__file__).resolve().parent / "data" / "mimo_v2_flash_dims.json"
+    published = Path(__file__).resolve().parents[1] / "data" / "mimo_v2_flash_dims.json"
     config = MiMoConfig.from_file(published)
     per_rank = {tp: config.for_tensor_parallel(TPGroup(0, tp)).kv_bytes_per_token(2) for tp in (1, 2, 4, 8)}
     per_layer = 320 * 2  # (192 + 128) x 2 bytes per kv head

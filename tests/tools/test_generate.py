@@ -13,7 +13,7 @@ from hal.tools.cli import main
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from test_mimo import add_mtp_layers, hf_load, make_checkpoint  # noqa: E402  (after the importorskips)
+from tiny_mimo_checkpoints import add_mtp_layers, hf_load, make_checkpoint  # noqa: E402  (after the importorskips)
 
 PROMPTS = [[3, 7, 11, 2, 9, 14, 5, 8], [4, 5]]
 

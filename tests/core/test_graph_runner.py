@@ -47,7 +47,7 @@ class CountingGraph(EagerGraph):
 
 
 class CountingBackend(CpuBackend):
-    def create_graph(self) -> CountingGraph:
+    def create_graph(self, *, tp_group: object = None) -> CountingGraph:
         return CountingGraph()
 
 
@@ -225,7 +225,7 @@ class HostParamGraph(EagerGraph):
 
 
 class HostParamBackend(CpuBackend):
-    def create_graph(self) -> HostParamGraph:
+    def create_graph(self, *, tp_group: object = None) -> HostParamGraph:
         return HostParamGraph()
 
 
@@ -332,6 +332,7 @@ def test_copy_into_trees() -> None:
     [
         (dict(mode=M.EXTEND), SpecError, "EXTEND has no fixed per-request shape"),
         (dict(mode=M.IDLE), SpecError, "IDLE has no fixed per-request shape"),
+        (dict(mode="decode"), SpecError, "mode must be a hal.ForwardMode, got 'decode'"),
         (dict(tokens_per_request=2), SpecError, "DECODE has 1 token per request"),
         (dict(batch_sizes=[]), SpecError, "batch_sizes must be positive"),
         (dict(batch_sizes=[0, 2]), SpecError, "batch_sizes must be positive"),

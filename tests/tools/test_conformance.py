@@ -217,7 +217,7 @@ def _backend(pool_cls: type = CpuKVPool, attention_cls: type = CpuAttention, gra
         def create_attention(self, pool):  # type: ignore[no-untyped-def]
             return attention_cls(pool)
 
-        def create_graph(self):  # type: ignore[no-untyped-def]
+        def create_graph(self, *, tp_group=None):  # type: ignore[no-untyped-def]
             return graph_cls()
 
     return Broken()

@@ -22,8 +22,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-OOT_EXAMPLE = REPO / "tests" / "oot_backend" / "site" / "hal_oot_example"
+REPO = Path(__file__).resolve().parents[2]
+OOT_EXAMPLE = REPO / "tests" / "tools" / "oot_backend" / "site" / "hal_oot_example"
 # folder -> import name of the package it holds
 PACKAGE_ROOTS = {"hal": "hal", "backends": "hal.backends", "speculative": "hal.speculative"}
 GENERIC_TOP_LEVEL = {"backends", "speculative"}

@@ -24,7 +24,7 @@ from hal.protocols import AttentionKernel, Backend, Graph, KVPool
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
 from hal.metadata import build_metadata
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _python(code: str, *, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("hal", "speculative")
 DEVICE_STRINGS_ALLOWED = {Path("hal/registry.py")}
 

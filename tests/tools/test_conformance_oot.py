@@ -17,7 +17,7 @@ import pytest
 import hal
 from hal.tools.conformance import Status, build_suite, run_suite
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "oot_backend" / "site"
 
 
@@ -56,7 +56,7 @@ def test_oot_graph_without_host_parameter_updates_is_caught(oot_registered: str)
             super().replay(None if update is None else GraphUpdate(buffer_copies=update.buffer_copies))
 
     class Stale(OotBackend):
-        def create_graph(self) -> ReplayGraph:
+        def create_graph(self, *, tp_group: object = None) -> ReplayGraph:
             return ForgetsHostParams()
 
     results = run_suite(Stale(), build_suite(quick=True, select=["graph loop"]))
@@ -99,7 +99,7 @@ def _write_broken_distribution(root: Path) -> Path:
             name = "brokenv"
             def create_kv_pool(self, spec):
                 return Pool(spec, self.device)
-            def create_graph(self):
+            def create_graph(self, *, tp_group=None):
                 raise UnsupportedConfigError("no graphs on this device")
     '''))
     return site

@@ -97,8 +97,8 @@ class ReplayGraph(GraphBase):
 
     takes_host_params = True
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, tp_group: Any = None) -> None:
+        super().__init__(tp_group=tp_group)
         self._fn: Callable[[], Any] | None = None
         self._params: list[Mapping[str, Any]] = []
 

@@ -1,7 +1,7 @@
 """Pure-torch stand-ins for the sgl_kernel CPU ops SGLang's speculative path calls (sgl_kernel has
 no CPU build on the registry). Test-only, like hal's NPU emulator: each op is written from its
 definition, checks its arguments as strictly as the real op's schema and refuses what it cannot
-define, and is held to a hand computation in ``tests/sglang_plugin/test_sgl_kernel_standins.py``.
+define, and is held to a hand computation in ``tests/integrations/sglang/test_sgl_kernel_standins.py``.
 """
 
 from __future__ import annotations

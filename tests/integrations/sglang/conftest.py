@@ -27,10 +27,10 @@ if importlib.util.find_spec("sglang") is not None:
 
 def pytest_report_header() -> str:
     if importlib.util.find_spec("sglang") is None:
-        return "tests/sglang_plugin: skipped, SGLang is not installed (bash .ci/sglang installs it)"
+        return "tests/integrations/sglang: skipped, SGLang is not installed (bash .ci/sglang installs it)"
     import sglang
 
-    return f"tests/sglang_plugin: SGLang {sglang.__version__}"
+    return f"tests/integrations/sglang: SGLang {sglang.__version__}"
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from hal import registry
 from hal.errors import BackendUnavailableError, UnknownDeviceError
 from hal.protocols import Availability
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

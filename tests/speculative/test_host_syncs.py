@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EVERY_FUNCTION = None
 # module -> the functions that run once per layer (None: all of them)
 PER_LAYER: dict[str, set[str] | None] = {
