@@ -31,6 +31,10 @@ EXTEND_TILE_ROWS = 128
 # through torch's fused attention with a mask; on fewer rows (decode, verify, draft steps), or
 # where the head dims differ (its slow path), the explicit matmuls were measured faster.
 FUSED_MIN_ROWS = 32
+# A tile whose pages are consecutive in the pool is read in place (a view) instead of gathered,
+# one tile at a time, when it holds at least this many K+V bytes (or is the group's only tile):
+# below that, one batched gather and batched matmuls cost less than a Python loop over tiles.
+VIEW_MIN_TILE_BYTES = 512 << 10
 
 
 class GatherWorkspace:
@@ -71,6 +75,9 @@ class TileGroup:
     # A whole prompt with no cached prefix on a full layer: its one tile is the causal square of
     # this many rows and keys, attended with a causal kernel that skips the hidden half (0: not one).
     causal_square: int = 0
+    # Per tile (first page, pages it reads) when every tile's pages are consecutive in the pool and
+    # large enough to read in place (see VIEW_MIN_TILE_BYTES); None: gather them.
+    views: tuple[tuple[int, int], ...] | None = None
 
 
 @attrs.frozen(eq=False)
@@ -90,6 +97,7 @@ def plan_attention(
     token_bytes: int,
     chunk_bytes: int | None = None,
     fused: bool = False,
+    in_place: bool = False,
 ) -> AttentionPlan:
     """Lay out attention for requests with these host-side lengths over ``block_table``'s pages.
 
@@ -98,7 +106,9 @@ def plan_attention(
     position ``kv_lens[b] - q_lens[b] + i`` and sees keys ``j <= p`` (and ``j >= p - W``).
     ``fused``: the layers attend without sinks and with equal qk and v head dims (torch's fused
     attention, no score tensor), so a prompt with no cached prefix on a full layer is one causal
-    square rather than row tiles.
+    square rather than row tiles. ``in_place``: the block table may be read on the host (the
+    caller's tensors live there), so tiles whose pages are consecutive are read as views of the
+    cache instead of gathered (see ``VIEW_MIN_TILE_BYTES``).
     """
     budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     ps = page_size
@@ -131,7 +141,8 @@ def plan_attention(
         while end < len(tiles) and max(widest, tiles[end][5]) * ps * (end + 1 - start) * token_bytes <= budget:
             widest, tallest = max(widest, tiles[end][5]), max(tallest, tiles[end][2])
             end += 1
-        groups.append(_group(tiles[start:end], max(widest, 1), tallest, row, kv_lens, block_table, ps, sliding_window))
+        groups.append(_group(tiles[start:end], max(widest, 1), tallest, row, kv_lens, block_table, ps, sliding_window,
+                             token_bytes, in_place))
         start = end
     return AttentionPlan(tuple(groups + squares))
 
@@ -154,6 +165,8 @@ def _group(
     block_table: torch.Tensor,
     ps: int,
     sliding_window: int | None,
+    token_bytes: int,
+    in_place: bool,
 ) -> TileGroup:
     n = len(tiles)
     device = block_table.device
@@ -184,7 +197,24 @@ def _group(
         q_rows = torch.where(real, src, 0).reshape(-1).to(device)
         out_rows = torch.where(real, src, num_tokens).reshape(-1).to(device)
     blocked = (~visible).view(n, 1, 1, rows, pages * ps).to(device)
-    return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows)
+    views = _in_place_views(tiles, page_ids.view(n, pages), ps, token_bytes) if in_place else None
+    return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views)
+
+
+def _in_place_views(
+    tiles: list[tuple[int, int, int, int, int, int]], page_ids: torch.Tensor, page_size: int, token_bytes: int
+) -> tuple[tuple[int, int], ...] | None:
+    """``(first page, pages)`` of each tile when all of them read consecutive pages and are worth
+    reading in place (``VIEW_MIN_TILE_BYTES``, or a lone tile), else None. ``page_ids`` is
+    ``[tiles, pages]`` on the host."""
+    used = [max(t[5], 1) for t in tiles]
+    if len(tiles) > 1 and min(used) * page_size * token_bytes < VIEW_MIN_TILE_BYTES:
+        return None
+    steps = page_ids[:, 1:] - page_ids[:, :-1]
+    within = torch.arange(1, page_ids.shape[1])[None, :] < torch.tensor(used)[:, None]
+    if not bool(torch.where(within, steps == 1, True).all()):
+        return None
+    return tuple(zip(page_ids[:, 0].tolist(), used))
 
 
 def plan_from_tensors(
@@ -276,8 +306,12 @@ def _attend_group(
     keys_per_tile = group.pages * v_cache.shape[1]
     qt = q[group.q_rows] if isinstance(group.q_rows, slice) else q.index_select(0, group.q_rows)
     qt = qt.float() * scaling  # [n * rows, Hq, Dk]
-    keys = _gather_pages(k_cache, group.page_ids, workspace, "k").view(n, keys_per_tile, hkv, dk)
-    values = _gather_pages(v_cache, group.page_ids, workspace, "v").view(n, keys_per_tile, hkv, dv)
+    use_views = group.views is not None and not group.causal_square and not (sinks is None and dk == dv and rows >= FUSED_MIN_ROWS)
+    if use_views:
+        keys = values = qt  # unused: the tiles are read in place
+    else:
+        keys = _gather_pages(k_cache, group.page_ids, workspace, "k").view(n, keys_per_tile, hkv, dk)
+        values = _gather_pages(v_cache, group.page_ids, workspace, "v").view(n, keys_per_tile, hkv, dv)
     if group.causal_square:
         if sinks is not None:
             raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
@@ -293,6 +327,8 @@ def _attend_group(
             qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=group.blocked.view(n, 1, rows, keys_per_tile).logical_not(), scale=1.0, enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
+    elif use_views:
+        ctx = _attend_in_place(qt, k_cache, v_cache, group, sinks)
     else:
         # [n, Hkv, G * rows, Dk]: a tile's query heads of one kv head ride as extra query rows.
         qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
@@ -308,6 +344,33 @@ def _attend_group(
     if group.zero_rows is not None:
         ctx = ctx.masked_fill(group.zero_rows, 0.0)
     return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hq, dv)
+
+
+def _attend_in_place(
+    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """``[n, Hkv, G, rows, Dv]`` for a group whose tiles read consecutive pages: each tile's K/V is a
+    view of the cache (no gather), its query heads of one kv head riding as extra query rows."""
+    assert group.views is not None
+    n, rows = group.tiles, group.rows
+    hq, dk = qt.shape[1], qt.shape[2]
+    ps, hkv, dv = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    g = hq // hkv
+    ctx = qt.new_empty((n, hkv, g, rows, dv))
+    sink = None if sinks is None else sinks.float().view(hkv, g, 1, 1).expand(hkv, g, rows, 1)
+    for i, (first, pages) in enumerate(group.views):
+        keys = pages * ps
+        k = k_cache[first : first + pages].reshape(keys, hkv, dk).float()
+        v = v_cache[first : first + pages].reshape(keys, hkv, dv).float()
+        qh = qt[i * rows : (i + 1) * rows].view(rows, hkv, g, dk).permute(1, 2, 0, 3).reshape(hkv, g * rows, dk)
+        scores = torch.matmul(qh, k.permute(1, 2, 0)).view(hkv, g, rows, keys)
+        scores.masked_fill_(group.blocked[i, :, :, :, :keys], float("-inf"))
+        if sink is None:
+            weights = torch.softmax(scores, -1)
+        else:
+            weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
+        ctx[i] = torch.matmul(weights.reshape(hkv, g * rows, keys), v.permute(1, 0, 2)).view(hkv, g, rows, dv)
+    return ctx
 
 
 # Below this many gathered elements a batched matmul over kv heads (which first copies K or V into

@@ -289,6 +289,10 @@ class TargetEngine:
             raise SpecError(f"generate: batch of {len(requests)} exceeds max_batch_size={self.max_batch_size}")
         start = time.perf_counter()
         try:
+            # Every page a request may need, taken at once: its pages are then consecutive in the
+            # pool (the kernel reads them in place instead of gathering them).
+            for r in requests:
+                self.page_table.reserve(r.rid, len(r.prompt) + r.max_new_tokens + self.lookahead)
             with torch.no_grad():
                 forwards, accept_lengths = self._run(requests, eos_token_ids)
             self.backend.synchronize()

@@ -42,7 +42,7 @@ class CpuAttention(AttentionKernelBase):
         def plan() -> Any:
             kv_lens, q_lens = metadata.host_lengths()
             return plan_attention(kv_lens, q_lens, table, metadata.page_size, sliding_window=layer.sliding_window,
-                                  token_bytes=heads * (dk + dv) * 4, fused=fused)
+                                  token_bytes=heads * (dk + dv) * 4, fused=fused, in_place=True)
 
         # Layers of one kind share the plan: index tensors and masks are built once per forward.
         return self._paged(paged_attention, q, layer, metadata, sinks, workspace=self.workspace,

@@ -72,8 +72,11 @@ def run_reference(
     seed: int,
     hybrid: bool = False,
     save_kv_cache: bool = True,
+    contiguous: bool = False,
 ):
-    """Run CpuAttention on a garbage-filled pool holding per-request dense K/V; return (out, oracle)."""
+    """Run CpuAttention on a garbage-filled pool holding per-request dense K/V; return (out, oracle).
+    Pages are handed out in a shuffled order, or in order (``contiguous``: each request's pages,
+    and on a hybrid pool their SWA pages, consecutive)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     ps = page_size
@@ -91,13 +94,14 @@ def run_reference(
         k_all.copy_(torch.randn(k_all.shape, generator=gen).to(dtype) * 10)
         v_all.copy_(torch.randn(v_all.shape, generator=gen).to(dtype) * 10)
     order = list(range(1, num_pages + 1))
-    rng.shuffle(order)
+    if not contiguous:
+        rng.shuffle(order)
     rows, at = [], 0
     for n in kv_lens:
         rows.append(order[at : at + -(-n // ps)])
         at += -(-n // ps)
     if hybrid:
-        swa_pages = rng.sample(range(1, spec.swa_num_pages + 1), num_pages)
+        swa_pages = list(range(1, num_pages + 1)) if contiguous else rng.sample(range(1, spec.swa_num_pages + 1), num_pages)
         pool.map_swa_pages(torch.tensor(order), torch.tensor(swa_pages))
 
     def slots(b: int, start: int, stop: int) -> list[int]:
@@ -204,6 +208,28 @@ def test_one_request_per_gather_chunk_matches_dense_oracle(mode, window, sinks, 
     q = [7, 4, 0, 9] if mode is M.EXTEND else [{M.DECODE: 1, M.TARGET_VERIFY: 4}[mode]] * 3
     out, expect = run_reference(mode, layer, kv, q, page_size=4, dtype=torch.float32, seed=11, hybrid=hybrid)
     assert_close(out, expect, torch.float32)
+
+
+@pytest.mark.parametrize("mode", [M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2])
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (None, True, False), (3, False, False), (3, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consecutive_pages_are_read_in_place_and_match_dense_oracle(mode, window, sinks, hybrid, dtype, monkeypatch) -> None:
+    """Requests whose pages are consecutive in the pool are attended over views of the cache (no
+    gather), one tile at a time; shuffled pages are gathered. Both equal the dense oracle."""
+    monkeypatch.setattr(reference_attention, "VIEW_MIN_TILE_BYTES", 0)
+    monkeypatch.setattr(reference_attention, "EXTEND_TILE_ROWS", 3)  # prompt tiles below FUSED_MIN_ROWS
+    in_place = []
+    original = reference_attention._attend_in_place
+    monkeypatch.setattr(reference_attention, "_attend_in_place", lambda *a: in_place.append(a[3].tiles) or original(*a))
+    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    q_len = {M.EXTEND: None, M.DECODE: 1, M.TARGET_VERIFY: 4, M.DRAFT_EXTEND_V2: 4}[mode]
+    kv = [19, 4, 9]
+    q = [7, 4, 9] if q_len is None else [q_len] * 3
+    for contiguous in (True, False):
+        in_place.clear()
+        out, expect = run_reference(mode, layer, kv, q, page_size=4, dtype=dtype, seed=3, hybrid=hybrid, contiguous=contiguous)
+        assert_close(out, expect, dtype)
+        assert bool(in_place) == contiguous
 
 
 def test_gather_chunks_group_consecutive_requests_within_the_budget() -> None:
