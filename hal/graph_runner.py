@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from hal.errors import BatchTooLargeError, GraphError, SpecError
-from hal.graph import GraphBase, GraphUpdate
+from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
 from hal.protocols import AttentionKernel, Backend, Graph
 from hal.spec import ForwardMode, strict_int
@@ -20,12 +20,98 @@ from hal.spec import ForwardMode, strict_int
 Forward = Callable[[Mapping[str, torch.Tensor], AttentionMetadata], Any]
 
 
+BufferCopies = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+def refreshed_metadata(static: AttentionMetadata, new: AttentionMetadata) -> tuple[AttentionMetadata, BufferCopies]:
+    """What a captured forward reads for the batch ``new``: the record over ``static``'s device
+    tensors (the addresses the graph captured) with ``new``'s host values, and the copies that put
+    ``new``'s device values into those tensors (their shapes are checked when applied)."""
+    if new.mode != static.mode or new.page_size != static.page_size:
+        raise GraphError(f"captured {static.mode.name} metadata (pages of {static.page_size}) cannot take "
+                         f"{new.mode.name} metadata (pages of {new.page_size})")
+    values = new.tensors()
+    static_tensors = static.tensors()
+    if set(values) != set(static_tensors):
+        raise GraphError(f"captured metadata holds {sorted(static_tensors)}, the new batch's {sorted(values)}")
+    for name, tensor in static_tensors.items():
+        if values[name].shape != tensor.shape:
+            raise GraphError(f"captured metadata's {name} has shape {tuple(tensor.shape)}, the new batch's "
+                             f"{tuple(values[name].shape)}: it needs a graph captured for that shape")
+    copies = tuple((tensor, values[name]) for name, tensor in static_tensors.items())
+    record = attrs.evolve(static, kv_lens_cpu=new.kv_lens_cpu, q_lens_cpu=new.q_lens_cpu,
+                          out_cache_loc_host=new.out_cache_loc_host, block_table_host=new.block_table_host)
+    return record, copies
+
+
+def graph_update(graph: Graph, metadata: AttentionMetadata, copies: BufferCopies = ()) -> GraphUpdate:
+    """The update that replays ``graph`` on ``metadata``: ``copies``, and the host arguments of every
+    call the graph captured (``updatable_params``: FIA's lengths on Ascend) for that metadata."""
+    return GraphUpdate(buffer_copies=copies,
+                       host_params=tuple(kernel.updatable_params(metadata, layer) for kernel, layer in graph.captured_calls))
+
+
+class CapturedForward:
+    """One forward captured on a backend's graph: the static metadata record it reads, the graph
+    and its static outputs. ``forward(metadata)`` is captured reading ``current``, the record of
+    the latest ``refresh`` (a graph that re-runs its function sees each batch's record; a real
+    graph reads the static tensors, which ``refresh``'s update rewrites). ``tp_group`` is the
+    tensor-parallel group whose barrier the capture waits on; ``warm_up`` runs before the graph
+    is made. ``metadata`` None: a forward that reads no hal metadata (it records no hal kernel
+    call, so its replays take no host arguments). Used by ``GraphRunner`` and by the SGLang graph
+    backend."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        forward: Callable[[AttentionMetadata | None], Any],
+        metadata: AttentionMetadata | None,
+        *,
+        memory_pool: Any = None,
+        tp_group: Any = None,
+        warm_up: Callable[[], None] | None = None,
+    ) -> None:
+        self.metadata = self.current = metadata
+        if warm_up is not None:
+            warm_up()
+        self.graph: Graph = backend.create_graph(tp_group=tp_group)
+        self.outputs = self.graph.capture(lambda: forward(self.current), memory_pool=memory_pool)
+
+    def refresh(self, new: AttentionMetadata, copies: BufferCopies = ()) -> GraphUpdate:
+        """The update for a replay on ``new`` (plus ``copies`` of other static inputs); ``current``
+        becomes ``new``'s record over the static tensors."""
+        if self.metadata is None:
+            raise GraphError("CapturedForward.refresh: this forward was captured without metadata")
+        self.current, metadata_copies = refreshed_metadata(self.metadata, new)
+        return graph_update(self.graph, self.current, copies + metadata_copies)
+
+    def replay(self, new: AttentionMetadata, copies: BufferCopies = ()) -> Any:
+        """Replay on ``new``; the static outputs."""
+        self.graph.replay(self.refresh(new, copies))
+        return self.outputs
+
+    def replay_refreshed(self, record: AttentionMetadata | None) -> Any:
+        """Replay on a record the caller already refreshed (``refreshed_metadata`` with its copies
+        applied: an engine whose own hook refreshes metadata before the replay); the static outputs.
+        A record over other tensors than the captured ones is a ``GraphError``."""
+        if record is None or self.metadata is None:
+            if self.graph.captured_calls:
+                raise GraphError("replay_refreshed: the graph captured hal kernel calls; replay it with their metadata")
+            self.graph.replay(None)
+            return self.outputs
+        captured, given = self.metadata.tensors(), record.tensors()
+        stale = [name for name, tensor in captured.items() if given.get(name) is not tensor]
+        if stale:
+            raise GraphError(f"replay_refreshed: the record's {stale} are not the captured tensors; refresh it first")
+        self.current = record
+        self.graph.replay(graph_update(self.graph, record))
+        return self.outputs
+
+
 @attrs.define
 class _Captured:
-    graph: Graph
+    forward: CapturedForward
     inputs: dict[str, torch.Tensor]
-    metadata: AttentionMetadata
-    outputs: Any
 
 
 def _slice_rows(tree: Any, rows: int) -> Any:
@@ -116,6 +202,13 @@ class GraphRunner:
         self._capture_done = False
         self._running = threading.Lock()
 
+    def captured(self, batch_size: int) -> CapturedForward:
+        """The forward captured for ``batch_size`` (``GraphError`` if none)."""
+        entry = self._captured.get(batch_size)
+        if entry is None:
+            raise GraphError(f"GraphRunner: nothing captured for batch size {batch_size}; captured: {sorted(self._captured)}")
+        return entry.forward
+
     @property
     def max_batch_size(self) -> int:
         """The largest captured batch size."""
@@ -145,9 +238,9 @@ class GraphRunner:
                 max_pages=self.max_pages_per_request,
             )
             inputs = {name: buf[: bs * tpr] for name, buf in self._static_inputs.items()}
-            graph = self.backend.create_graph(tp_group=self.tp_group)
-            outputs = graph.capture(functools.partial(self.forward, inputs, metadata), memory_pool=memory_pool)
-            self._captured[bs] = _Captured(graph, inputs, metadata, outputs)
+            captured = CapturedForward(self.backend, functools.partial(self.forward, inputs), metadata,
+                                       memory_pool=memory_pool, tp_group=self.tp_group)
+            self._captured[bs] = _Captured(captured, inputs)
         self._capture_done = True
 
     def run(self, inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> Any:
@@ -208,12 +301,5 @@ class GraphRunner:
             return self.forward(inputs, metadata)
         entry = self._captured[bs]
         padded = pad_metadata(metadata, bs, fill=self.fill, max_pages=self.max_pages_per_request, q_len=tpr)
-        copies = [(entry.inputs[name][: b * tpr], value) for name, value in inputs.items()]
-        static_md, new_md = entry.metadata.tensors(), padded.tensors()
-        copies += [(static_md[name], new_md[name]) for name in static_md]
-        update = GraphUpdate(
-            buffer_copies=tuple(copies),
-            host_params=tuple(kernel.updatable_params(padded, layer) for kernel, layer in entry.graph.captured_calls),
-        )
-        entry.graph.replay(update)
-        return _slice_rows(entry.outputs, b * tpr)
+        copies = tuple((entry.inputs[name][: b * tpr], value) for name, value in inputs.items())
+        return _slice_rows(entry.forward.replay(padded, copies), b * tpr)

@@ -250,7 +250,7 @@ def test_runner_builds_one_host_update_per_captured_call_in_order() -> None:
         replay_captured=True,
     )
     runner.capture()
-    graph = runner._captured[4].graph
+    graph = runner.captured(4).graph
     assert [(kernel, layer.layer_id) for kernel, layer in graph.captured_calls] == [(attention, 0), (attention, 1)]
     md = build_metadata(M.TARGET_VERIFY, kv_lens=[5, 9], q_lens=[2, 2], page_table=[[1, 2], [3, 4, 5]],
                         out_cache_loc=[8, 9, 20, 21], pool=pool)

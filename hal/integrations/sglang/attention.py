@@ -33,6 +33,7 @@ import torch
 import hal
 from hal.errors import CacheLocationError, SpecError, UnsupportedConfigError
 from hal.graph import GraphUpdate
+from hal.graph_runner import refreshed_metadata
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import AttentionKernel, KVPool
 from hal.spec import ForwardMode, LayerSpec, strict_ints
@@ -48,10 +49,6 @@ _MODES = {
     SGLangMode.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
     SGLangMode.DRAFT_EXTEND_V2: ForwardMode.DRAFT_EXTEND_V2,
 }
-
-#: ``seq_lens`` of the padded rows in SGLang's captured graphs: one key, the padding page's slot.
-SEQ_LEN_FILL_VALUE = 1
-
 
 def hal_mode(mode: Any) -> ForwardMode:
     """hal's mode for an SGLang ``ForwardMode``; ``UnsupportedConfigError`` for the rest."""
@@ -274,20 +271,16 @@ class HalAttnBackend(AttentionBackend):
         if in_capture or static is None:
             self._captured[key] = self.forward_metadata = fresh
             return
-        new_values = fresh.tensors()
+        record, copies = refreshed_metadata(static, fresh)
         # Checks every shape before copying any (a batch that does not fit raises GraphError).
-        GraphUpdate(buffer_copies=tuple((tensor, new_values[name]) for name, tensor in static.tensors().items())).apply_buffer_copies()
-        # The device tensors stay the captured ones; the host copies describe the new batch.
-        self.forward_metadata = attrs.evolve(
-            static,
-            kv_lens_cpu=fresh.kv_lens_cpu,
-            q_lens_cpu=fresh.q_lens_cpu,
-            out_cache_loc_host=fresh.out_cache_loc_host,
-            block_table_host=fresh.block_table_host,
-        )
+        GraphUpdate(buffer_copies=copies).apply_buffer_copies()
+        # The device tensors stay the captured ones (now holding the new batch), the host values
+        # are the new batch's; stamped after the copies, so kernels trust the host values.
+        self.forward_metadata = attrs.evolve(record)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return SEQ_LEN_FILL_VALUE
+        """The KV length of padded rows in SGLang's captured graphs: the kernel's."""
+        return self.kernel.seq_len_fill_value
 
     # -- forward -----------------------------------------------------------------------------
     def _layer_spec(self, layer: Any, has_sinks: bool) -> LayerSpec:

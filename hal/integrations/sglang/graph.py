@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from hal.errors import GraphError, UnsupportedConfigError
-from hal.graph import GraphUpdate
+from hal.graph_runner import CapturedForward
+from hal.metadata import AttentionMetadata
 from hal.integrations.sglang.kv_pool import serving_backend
 from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
 from sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner import (
@@ -18,9 +19,10 @@ from sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner imp
 class HalGraphBackend(BaseCudaGraphBackend):
     """SGLang's per-shape graph backend on hal's graphs (NPUGraph, CUDA graph or eager).
 
-    Before each replay the attention backend has refreshed its captured metadata; the host-side
-    arguments hal's kernels recorded at capture (FIA's ``actual_seq_kvlen`` on Ascend) are then
-    taken from that metadata and handed to the graph, so no replay runs on stale lengths.
+    Each shape is one ``hal.graph_runner.CapturedForward``. Before each replay the attention
+    backend has refreshed its captured metadata; the host-side arguments hal's kernels recorded at
+    capture (FIA's ``actual_seq_kvlen`` on Ascend) are then taken from that metadata and handed to
+    the graph, so no replay runs on stale lengths.
     """
 
     def __init__(self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, reuse_output_buffer: bool = False) -> None:
@@ -31,8 +33,7 @@ class HalGraphBackend(BaseCudaGraphBackend):
         attn = getattr(cuda_graph_runner.model_runner, "attn_backend", None)
         # The backend whose kernels the graphs capture: the attention backend's, else the serving one.
         self._backend = getattr(attn, "hal_backend", None) or serving_backend(cuda_graph_runner.model_runner.device)
-        self._graphs: dict[Any, Any] = {}
-        self._outputs: dict[Any, Any] = {}
+        self._captured: dict[Any, CapturedForward] = {}
         self._memory_pool: Any = None
 
     @contextlib.contextmanager
@@ -42,47 +43,45 @@ class HalGraphBackend(BaseCudaGraphBackend):
         yield
 
     def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None, post_warmup_hook: Any = None) -> None:
-        for _ in range(2):  # lazy initialisation and workspaces happen before capture
-            forward_fn()
-            if post_warmup_hook is not None:
-                post_warmup_hook()
-        graph = self._backend.create_graph()
-        self._outputs[shape_key] = graph.capture(forward_fn, memory_pool=self._memory_pool)
-        self._graphs[shape_key] = graph
+        def warm_up() -> None:  # lazy initialisation and workspaces happen before capture
+            for _ in range(2):
+                forward_fn()
+                if post_warmup_hook is not None:
+                    post_warmup_hook()
+
+        # SGLang's forward reads the attention backend's metadata, set up for this shape just before.
+        self._captured[shape_key] = CapturedForward(self._backend, lambda metadata: forward_fn(), self._attention_metadata(),
+                                                    memory_pool=self._memory_pool, warm_up=warm_up)
 
     def captured(self, shape_key: Any) -> Any:
         """The hal graph captured for ``shape_key`` (``GraphError`` if none)."""
         try:
-            return self._graphs[shape_key]
+            return self._captured[shape_key].graph
         except KeyError:
-            raise GraphError(f"hal's graph backend: nothing captured for {shape_key!r}; captured: {sorted(map(repr, self._graphs))}") from None
+            raise GraphError(f"hal's graph backend: nothing captured for {shape_key!r}; captured: {sorted(map(repr, self._captured))}") from None
 
     def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
-        return shape_key in self._graphs
+        return shape_key in self._captured
 
     @contextlib.contextmanager
     def replay_session(self) -> Iterator[None]:
         yield
 
-    def _attention_metadata(self) -> Any:
+    def _attention_metadata(self) -> AttentionMetadata | None:
+        """The metadata hal's attention backend prepared for this shape (None under another backend)."""
         backend = getattr(self._runner, "attn_backend", None) or self._runner.model_runner.attn_backend
-        metadata = getattr(backend, "forward_metadata", None)
-        if metadata is None:
-            raise GraphError("hal's graph backend: the attention backend prepared no metadata for this replay")
-        return metadata
+        return getattr(backend, "forward_metadata", None)
 
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
-        graph = self._graphs[shape_key]
-        update = None
-        if graph.captured_calls:
-            metadata = self._attention_metadata()
-            update = GraphUpdate(host_params=tuple(kernel.updatable_params(metadata, layer) for kernel, layer in graph.captured_calls))
-        graph.replay(update)
-        return self._outputs[shape_key]
+        # The attention backend refreshed its captured metadata (init_forward_metadata_out_graph).
+        captured = self._captured[shape_key]
+        metadata = self._attention_metadata()
+        if metadata is None and captured.graph.captured_calls:
+            raise GraphError("hal's graph backend: the attention backend prepared no metadata for this replay")
+        return captured.replay_refreshed(metadata)
 
     def cleanup(self) -> None:
-        self._graphs.clear()
-        self._outputs.clear()
+        self._captured.clear()
 
 
 class HalMultiLayerEagleDraftExtendRunner(MultiLayerEagleMultiStepDraftExtendCudaGraphRunner):

@@ -142,6 +142,11 @@ class _LoopWorld:
         self.cfg = cfg
         self.plan, self.max_pages = _schedule(cfg)
         self.pool = backend.create_kv_pool(_loop_pool_spec(cfg, self.plan, self.max_pages))
+        # Garbage in every slot: a write where none belongs (a padded row's, say) changes the pool
+        # even when it writes what an untouched slot would hold.
+        for layer in range(self.pool.spec.num_layers):
+            for name, buffer in (("k", self.pool.k_buffer(layer)), ("v", self.pool.v_buffer(layer))):
+                buffer.copy_(randn(buffer.shape, cfg.dtype, cfg, "garbage", name, layer).to(self.pool.device))
         self.attn: AttentionKernel = backend.create_attention(self.pool)
         self.table = RequestPageTable(KVAllocator(self.pool))
         self.device = self.pool.device
@@ -164,8 +169,15 @@ class _LoopWorld:
         if use_graphs:
             self.verify_runner = self._runner(cfg.verify_mode, cfg.target_layers())
             self.draft_runners = [self._runner(ForwardMode.DRAFT_EXTEND_V2, (lay,)) for lay in cfg.draft_layers()]
+            # A capture writes its placeholder batch to the padding page only (every slot 0).
+            before = snapshot(self.pool)
             for runner in (self.verify_runner, *self.draft_runners):
                 runner.capture()
+            padding_page = set(range(cfg.page_size))
+            try:
+                assert_only_rows_changed(self.pool, before, {lay.layer_id: padding_page for lay in cfg.layers()}, "graph capture")
+            except ConformanceFailure as exc:
+                self.problems.append(str(exc))
 
     # -- forwards ------------------------------------------------------------------------------
     def _forward(self, layers: Sequence[LayerSpec]) -> Callable[[Mapping[str, torch.Tensor], AttentionMetadata], Any]:

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from hal import ForwardMode as HalMode  # noqa: E402
 from hal.errors import CacheLocationError, GraphError, SpecError, UnsupportedConfigError  # noqa: E402
-from hal.integrations.sglang.attention import HalAttnBackend, SEQ_LEN_FILL_VALUE, page_table_from_req_to_token  # noqa: E402
+from hal.integrations.sglang.attention import HalAttnBackend, page_table_from_req_to_token  # noqa: E402
 from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
@@ -154,7 +154,7 @@ def test_graph_metadata_keeps_its_tensors_and_takes_new_values() -> None:
     assert all(replayed.tensors()[name] is tensor for name, tensor in captured.items())
     assert replayed.kv_lens_cpu == (10, 21) and replayed.kv_lens.tolist() == [10, 21]
     assert replayed.out_cache_loc.tolist() == world.req_to_token[[2, 3], [9, 20]].tolist()
-    assert world.backend.get_cuda_graph_seq_len_fill_value() == SEQ_LEN_FILL_VALUE == 1
+    assert world.backend.get_cuda_graph_seq_len_fill_value() == world.backend.kernel.seq_len_fill_value == 1
     # A verify batch of another width under the same key cannot reuse the captured tensors.
     world.backend.init_forward_metadata_out_graph(make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 5], [2, 2]), in_capture=True)
     before = world.backend.forward_metadata.positions.clone()
