@@ -26,16 +26,6 @@ _state = threading.local()
 T = TypeVar("T")
 
 
-def write_count(tensor: torch.Tensor) -> int:
-    """Changes whenever ``tensor`` is written in place: its version counter, or for inference-mode
-    tensors (which keep none) the number of graph updates that copied into it. Metadata derived
-    from a tensor's contents is rebuilt when this changes (see ``AttentionMetadata.cached``)."""
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return getattr(tensor, "_hal_update_count", 0)
-
-
 @attrs.frozen
 class GraphUpdate:
     """What changes between two replays of one captured graph.
@@ -57,8 +47,6 @@ class GraphUpdate:
                 )
         for dst, src in self.buffer_copies:
             dst.copy_(src)
-            if dst.is_inference():
-                dst._hal_update_count = getattr(dst, "_hal_update_count", 0) + 1  # type: ignore[attr-defined]
 
     def require_no_host_params(self, graph_name: str) -> None:
         """For graphs whose kernels read only device buffers: a host update would be lost."""

@@ -22,8 +22,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import attrs
 import torch
 
-from hal.errors import SpecError
-from hal.graph import capture_id, is_capturing, write_count
+from hal.errors import KVLayoutError, SpecError
+from hal.graph import capture_id, is_capturing
 from hal.spec import ForwardMode, KVPoolSpec, strict_int, strict_ints
 
 T = TypeVar("T")
@@ -61,9 +61,11 @@ class AddressedPool(Protocol):
 class AttentionMetadata:
     """Everything an attention kernel needs for one forward. Build it with ``build_metadata``.
 
-    Device tensors are what kernels read. The ``*_cpu`` tuples are the same values on the host,
-    as the values were when this object was built: kernels whose ops take host lists (FIA on
-    Ascend) read them, and a graph update carries their new values into a captured graph.
+    A record: device tensors are what kernels read, the ``*_cpu`` tuples and host copies the same
+    values on the host (kernels whose ops take host lists, FIA on Ascend, read them; a graph
+    update carries them into a captured graph). The two always describe one batch: a captured
+    forward that takes a new batch into its tensors gets a new record for it
+    (``hal.graph_runner.refreshed_metadata``), never the old one with rewritten tensors.
     """
 
     mode: ForwardMode
@@ -82,10 +84,10 @@ class AttentionMetadata:
     out_cache_loc_host: torch.Tensor | None = attrs.field(default=None, repr=False)
     block_table_host: torch.Tensor | None = attrs.field(default=None, repr=False)
     _checked_pools: weakref.WeakSet[Any] = attrs.field(factory=weakref.WeakSet, init=False, repr=False)
-    # Per-forward data derived from this metadata (kernel plans, translated slots), by key, with
-    # the tensors' versions they were derived from; see ``cached``.
-    _derived: dict[Any, tuple[tuple[int, ...], Any]] = attrs.field(factory=dict, init=False, repr=False)
-    _built_stamp: tuple[int, ...] = attrs.field(default=(), init=False, repr=False)
+    # Per-forward data derived from this record (kernel plans, translated slots), by key, with
+    # the graph capture it was derived in (0: none); see ``cached``.
+    _derived: dict[Any, tuple[int, Any]] = attrs.field(factory=dict, init=False, repr=False)
+    _num_tokens: int = attrs.field(default=0, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mode, ForwardMode):
@@ -130,36 +132,12 @@ class AttentionMetadata:
                     f"AttentionMetadata.{name} holds {table.shape[1]} pages of {self.page_size} "
                     f"tokens, too few for kv_len {max(self.kv_lens_cpu)}"
                 )
-        object.__setattr__(self, "_built_stamp", self._stamp())
-
-    def _stamp(self) -> tuple[int, ...]:
-        """Changes when a device tensor is rewritten in place (a graph update copying a new batch
-        into captured metadata)."""
-        tensors = (self.kv_lens, self.q_lens, self.cu_q_lens, self.positions, self.out_cache_loc, self.block_table,
-                   self.swa_block_table)  # fmt: skip
-        return tuple(write_count(t) for t in tensors if t is not None)
-
-    def is_current(self) -> bool:
-        """Whether the device tensors still hold the values this metadata was built with (so the
-        host tuples and host copies describe them)."""
-        return self._stamp() == self._built_stamp
-
-    def _cache_stamp(self) -> tuple[int, ...]:
-        # Derived tensors are also tied to the graph capture they were computed in (or to none).
-        return (capture_id(), *self._stamp())
-
-    def host_lengths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(kv_lens, q_lens)`` on the host: the built values, or the device tensors' values read
-        back once their contents changed (captured metadata refreshed by a graph update)."""
-        if self.is_current():
-            return self.kv_lens_cpu, self.q_lens_cpu
-        return tuple(self.kv_lens.tolist()), tuple(self.q_lens.tolist())
+        object.__setattr__(self, "_num_tokens", t)
 
     def cached(self, key: Any, build: Callable[[], T]) -> T:
-        """``build()`` once per key for this metadata, shared by every layer of the forward; built
-        again when the device tensors may have been rewritten in place since, and inside each graph
-        capture (so the capture records the ops that derive it)."""
-        stamp = self._cache_stamp()
+        """``build()`` once per key for this record, shared by every layer of the forward (and again
+        inside each graph capture, so the capture records the ops that derive it)."""
+        stamp = capture_id()
         hit = self._derived.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]  # type: ignore[no-any-return]
@@ -173,14 +151,16 @@ class AttentionMetadata:
 
         Reads the host copies; without them (metadata built from device tensors) it reads the
         device tensors, except inside a graph capture, where the runner checks each replay's
-        metadata instead. Checked once per (metadata, pool) while the tensors keep their contents."""
-        current = self.is_current()
-        if current and pool in self._checked_pools:
+        metadata instead. Checked once per (metadata, pool), with the devices of its tensors."""
+        if pool in self._checked_pools:
             return
         if self.page_size != pool.spec.page_size:
             raise SpecError(f"metadata.page_size={self.page_size} but the pool's page_size is {pool.spec.page_size}")
+        for name, tensor in self.tensors().items():
+            if tensor.device != pool.device:
+                raise KVLayoutError(f"metadata.{name} is on {tensor.device}, the KV pool is on {pool.device}")
         loc, table = self.out_cache_loc_host, self.block_table_host
-        if loc is None or table is None or not current:
+        if loc is None or table is None:
             if is_capturing():
                 return
             loc, table = self.out_cache_loc.cpu(), self.block_table.cpu()
@@ -196,7 +176,7 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         """Packed query tokens (rows of q, k and v)."""
-        return sum(self.q_lens_cpu)
+        return self._num_tokens
 
     @property
     def cu_q_lens_cpu(self) -> tuple[int, ...]:

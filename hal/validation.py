@@ -55,11 +55,7 @@ def validate_attention_call(
             raise SpecError(
                 f"layer {layer.layer_id}: {name} has shape {tuple(x.shape)}, expected ({t}, {layer.num_kv_heads}, {d})"
             )
-    for name, x in (
-        ("q", q), ("k", k), ("v", v), ("sinks", sinks), ("metadata.kv_lens", metadata.kv_lens),
-        ("metadata.cu_q_lens", metadata.cu_q_lens), ("metadata.block_table", metadata.block_table),
-        ("metadata.out_cache_loc", metadata.out_cache_loc),
-    ):  # fmt: skip
+    for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):  # metadata's: check_against
         if x is not None and x.device != pool.device:
             raise KVLayoutError(f"layer {layer.layer_id}: {name} is on {x.device}, the KV pool is on {pool.device}")
     if q.dtype != pool.spec.dtype:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import torch
 
 import hal
@@ -271,12 +270,10 @@ class HalAttnBackend(AttentionBackend):
         if in_capture or static is None:
             self._captured[key] = self.forward_metadata = fresh
             return
-        record, copies = refreshed_metadata(static, fresh)
-        # Checks every shape before copying any (a batch that does not fit raises GraphError).
+        # The device tensors stay the captured ones, now holding the new batch; the record's host
+        # values are the new batch's (a shape that does not fit raises GraphError, copying nothing).
+        self.forward_metadata, copies = refreshed_metadata(static, fresh)
         GraphUpdate(buffer_copies=copies).apply_buffer_copies()
-        # The device tensors stay the captured ones (now holding the new batch), the host values
-        # are the new batch's; stamped after the copies, so kernels trust the host values.
-        self.forward_metadata = attrs.evolve(record)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """The KV length of padded rows in SGLang's captured graphs: the kernel's."""
