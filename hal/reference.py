@@ -75,9 +75,10 @@ class TileGroup:
     # A whole prompt with no cached prefix on a full layer: its one tile is the causal square of
     # this many rows and keys, attended with a causal kernel that skips the hidden half (0: not one).
     causal_square: int = 0
-    # Per tile (first page, pages it reads) when every tile's pages are consecutive in the pool and
-    # large enough to read in place (see VIEW_MIN_TILE_BYTES); None: gather them.
-    views: tuple[tuple[int, int], ...] | None = None
+    # Per tile (first page, pages, first key, end key) when every tile's pages are consecutive in
+    # the pool and worth reading in place (see VIEW_MIN_TILE_BYTES); keys count from the first
+    # page's first slot, and only [first key, end key) is read. None: gather the pages.
+    views: tuple[tuple[int, int, int, int], ...] | None = None
 
 
 @attrs.frozen(eq=False)
@@ -197,24 +198,32 @@ def _group(
         q_rows = torch.where(real, src, 0).reshape(-1).to(device)
         out_rows = torch.where(real, src, num_tokens).reshape(-1).to(device)
     blocked = (~visible).view(n, 1, 1, rows, pages * ps).to(device)
-    views = _in_place_views(tiles, page_ids.view(n, pages), ps, token_bytes) if in_place else None
+    views = None
+    if in_place:
+        # The keys some row of each tile sees, from its first page's first slot: [first, last + 1).
+        spans = []
+        for t in tiles:
+            first_key = 0 if sliding_window is None else max(0, t[3] - sliding_window)
+            spans.append((first_key - t[4] * ps, min(kv_lens[t[0]], t[3] + t[2]) - t[4] * ps))
+        views = _in_place_views(tiles, spans, page_ids.view(n, pages), token_bytes)
     return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views)
 
 
 def _in_place_views(
-    tiles: list[tuple[int, int, int, int, int, int]], page_ids: torch.Tensor, page_size: int, token_bytes: int
-) -> tuple[tuple[int, int], ...] | None:
-    """``(first page, pages)`` of each tile when all of them read consecutive pages and are worth
-    reading in place (``VIEW_MIN_TILE_BYTES``, or a lone tile), else None. ``page_ids`` is
-    ``[tiles, pages]`` on the host."""
-    used = [max(t[5], 1) for t in tiles]
-    if len(tiles) > 1 and min(used) * page_size * token_bytes < VIEW_MIN_TILE_BYTES:
+    tiles: list[tuple[int, int, int, int, int, int]], spans: list[tuple[int, int]], page_ids: torch.Tensor, token_bytes: int
+) -> tuple[tuple[int, int, int, int], ...] | None:
+    """``(first page, pages, first key, end key)`` of each tile when all of them read consecutive
+    pages, see at least one key and are worth reading in place (``VIEW_MIN_TILE_BYTES`` of the keys
+    they see, or a lone tile), else None. ``page_ids`` is ``[tiles, pages]`` on the host."""
+    widths = [end - first for first, end in spans]
+    if min(widths) < 1 or (len(tiles) > 1 and min(widths) * token_bytes < VIEW_MIN_TILE_BYTES):
         return None
+    used = [max(t[5], 1) for t in tiles]
     steps = page_ids[:, 1:] - page_ids[:, :-1]
     within = torch.arange(1, page_ids.shape[1])[None, :] < torch.tensor(used)[:, None]
     if not bool(torch.where(within, steps == 1, True).all()):
         return None
-    return tuple(zip(page_ids[:, 0].tolist(), used))
+    return tuple((first_page, pages, first, end) for first_page, pages, (first, end) in zip(page_ids[:, 0].tolist(), used, spans))
 
 
 def plan_from_tensors(
@@ -358,13 +367,13 @@ def _attend_in_place(
     g = hq // hkv
     ctx = qt.new_empty((n, hkv, g, rows, dv))
     sink = None if sinks is None else sinks.float().view(hkv, g, 1, 1).expand(hkv, g, rows, 1)
-    for i, (first, pages) in enumerate(group.views):
-        keys = pages * ps
-        k = k_cache[first : first + pages].reshape(keys, hkv, dk).float()
-        v = v_cache[first : first + pages].reshape(keys, hkv, dv).float()
+    for i, (first_page, pages, first, end) in enumerate(group.views):
+        keys = end - first  # only the keys some row sees: consecutive pages are one run of slots
+        k = k_cache[first_page : first_page + pages].reshape(pages * ps, hkv, dk)[first:end].float()
+        v = v_cache[first_page : first_page + pages].reshape(pages * ps, hkv, dv)[first:end].float()
         qh = qt[i * rows : (i + 1) * rows].view(rows, hkv, g, dk).permute(1, 2, 0, 3).reshape(hkv, g * rows, dk)
         scores = torch.matmul(qh, k.permute(1, 2, 0)).view(hkv, g, rows, keys)
-        scores.masked_fill_(group.blocked[i, :, :, :, :keys], float("-inf"))
+        scores.masked_fill_(group.blocked[i, :, :, :, first:end], float("-inf"))
         if sink is None:
             weights = torch.softmax(scores, -1)
         else:
