@@ -40,8 +40,9 @@ class CpuAttention(AttentionKernelBase):
         key = ("reference-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
 
         def plan() -> Any:
-            return plan_attention(metadata.kv_lens_cpu, metadata.q_lens_cpu, table, metadata.page_size, sliding_window=layer.sliding_window,
-                                  token_bytes=heads * (dk + dv) * 4, fused=fused, in_place=True)
+            return plan_attention(metadata.kv_lens_cpu, metadata.q_lens_cpu, table, self.pool.spec.page_size,
+                                  sliding_window=layer.sliding_window, token_bytes=heads * (dk + dv) * 4, fused=fused,
+                                  in_place=True)
 
         # Layers of one kind share the plan: index tensors and masks are built once per forward.
         return self._paged(paged_attention, q, layer, metadata, sinks, workspace=self.workspace,
