@@ -171,15 +171,15 @@ def _group(
 ) -> TileGroup:
     n = len(tiles)
     device = block_table.device
-    req = torch.tensor([t[0] for t in tiles])
-    page_lo = torch.tensor([t[4] for t in tiles])
+    # One host tensor of the tiles' numbers: request, first row, rows, first position, first page, kv.
+    numbers = torch.tensor([(*t[:5], kv_lens[t[0]]) for t in tiles])
+    req, n_rows, first_pos, page_lo, kv = numbers[:, 0], numbers[:, 2], numbers[:, 3], numbers[:, 4], numbers[:, 5]
     cols = (page_lo[:, None] + torch.arange(pages)[None, :]).clamp_max(block_table.shape[1] - 1)
     page_ids = block_table[req.to(device)[:, None], cols.to(device)].reshape(-1).long()
 
-    real = torch.arange(rows)[None, :] < torch.tensor([t[2] for t in tiles])[:, None]  # [n, rows]
-    pos = torch.tensor([t[3] for t in tiles])[:, None] + torch.arange(rows)[None, :]
+    real = torch.arange(rows)[None, :] < n_rows[:, None]  # [n, rows]
+    pos = first_pos[:, None] + torch.arange(rows)[None, :]
     key = (page_lo * ps)[:, None] + torch.arange(pages * ps)[None, :]  # [n, K] absolute key index
-    kv = torch.tensor([kv_lens[t[0]] for t in tiles])
     visible = (key[:, None, :] <= pos[:, :, None]) & (key[:, None, :] < kv[:, None, None])
     if sliding_window is not None:
         visible &= key[:, None, :] >= pos[:, :, None] - sliding_window
