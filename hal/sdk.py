@@ -5,18 +5,22 @@ Adding a backend (device type ``mydev``; ``tests/tools/oot_backend/site/hal_oot_
 1. **Pool**: subclass ``SplitKVPool``; override ``_allocate(shape)`` and ``_write_rows(buffer, loc,
    rows)`` only where your memory or write op differs. Layout, SWA mapping and validation come with it.
 2. **Kernel**: subclass ``AttentionKernelBase`` and implement ``_attend(q, layer, metadata, sinks)``;
-   ``forward`` validates every argument, calls your ``check_supported`` (raise
-   ``UnsupportedConfigError`` for what your op lacks), writes K/V, then calls ``_attend``. Route
-   SWA layers with ``self.block_table(layer, metadata)``. Set ``seq_len_fill_value``.
+   where your op has limits, the classmethod ``unsupported_reason(layer, kv_dtype, page_size,
+   max_q_len, batch_size)`` (a sentence, or None): ``Backend.unsupported_reason`` answers with it
+   before anything is built, and ``forward`` (which validates every argument) raises it as an
+   ``UnsupportedConfigError`` before writing K/V, then calls ``_attend``. Route SWA layers with
+   ``self.block_table(layer, metadata)``. Set ``seq_len_fill_value``.
 3. **Host-side op arguments** (like FIA's ``actual_seq_kvlen``, baked into a captured op): call
    ``self.record_updatable_call(layer)`` where each such op is issued and return its arguments from
    ``updatable_params(metadata, layer)``. Kernels that read only device tensors do neither.
 4. **Graph**: subclass ``GraphBase`` and implement ``_capture(fn, memory_pool)`` and
    ``_replay(host_params)`` (one mapping per captured call; set ``takes_host_params = True`` if your
-   graph applies them). Capture span, warm-up, TP barrier and buffer copies come with it. Without
-   a graph runtime use ``EagerGraph``.
+   graph applies them); its constructor takes the keyword ``tp_group`` and passes it on to
+   ``GraphBase.__init__``. Capture span, warm-up, TP barrier and buffer copies come with it.
+   Without a graph runtime use ``EagerGraph``.
 5. **Backend**: subclass ``BackendBase``: ``name``, ``device_type``, ``collective_backend``,
-   ``kv_pool_class``, ``attention_class``, ``graph_class``, ``host_memory = True`` if its tensors
+   ``kv_pool_class``, ``attention_class``, ``graph_class``, ``default_page_size`` (one the kernel
+   takes in every mode), ``preferred_dtype`` (weights), ``host_memory = True`` if its tensors
    live on the host, a cheap ``probe()`` that never imports
    the vendor runtime eagerly, ``auto_priority`` if ``"auto"`` may pick it; override
    ``synchronize``/``graph_memory_pool`` where they are not no-ops. Optional

@@ -138,3 +138,29 @@ def test_dtype_loads_the_weights_in_it(checkpoint, capsys, monkeypatch) -> None:
                          ("lm_head.weight", bf16.lm_head.weight)):
         assert torch.equal(weight, reference_weights[name]), name  # transformers' bf16 weights, bit for bit
     assert {p.dtype for p in auto.parameters()} == {torch.float32}
+
+
+def test_the_device_string_is_resolved_once_and_the_engine_gets_that_backend(checkpoint, capsys, monkeypatch) -> None:
+    """``--device`` is parsed once, at the edge; the engine runs on the backend object resolved there."""
+    import hal.registry
+    from hal.speculative.engine import TargetEngine
+
+    directory, expected = checkpoint
+    parsed: list[object] = []
+    resolved: list[object] = []
+    original_parse, original_get = hal.registry.parse_device, hal.registry.get_backend
+    monkeypatch.setattr(hal.registry, "parse_device", lambda device: parsed.append(device) or original_parse(device))
+    monkeypatch.setattr(hal.registry, "get_backend", lambda *a, **k: resolved.append(original_get(*a, **k)) or resolved[-1])
+    engines: list[TargetEngine] = []
+    original_init = TargetEngine.__init__
+
+    def init(self, model, backend="cpu", **kwargs):  # type: ignore[no-untyped-def]
+        original_init(self, model, backend, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(TargetEngine, "__init__", init)
+    got = run_json(capsys, "--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "20",
+                   "--speculative", "mtp", "--num-draft-steps", "2")
+    assert got["tokens"] == expected[:1]
+    assert parsed == ["cpu"] and len(resolved) == 1
+    assert [engine.backend for engine in engines] == resolved
