@@ -79,6 +79,11 @@ class TileGroup:
     # the pool and worth reading in place (see VIEW_MIN_TILE_BYTES); keys count from the first
     # page's first slot, and only [first key, end key) is read. None: gather the pages.
     views: tuple[tuple[int, int, int, int], ...] | None = None
+    # When the read tiles are equally wide and start equally far apart in the pool: (first slot,
+    # slots between tile starts, keys per tile) and the mask over exactly those keys
+    # [tiles, 1, 1, rows, keys]; the tiles are then one strided view, attended in one batch.
+    strided: tuple[int, int, int] | None = None
+    strided_blocked: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)
@@ -206,7 +211,25 @@ def _group(
             first_key = 0 if sliding_window is None else max(0, t[3] - sliding_window)
             spans.append((first_key - t[4] * ps, min(kv_lens[t[0]], t[3] + t[2]) - t[4] * ps))
         views = _in_place_views(tiles, spans, page_ids.view(n, pages), token_bytes)
-    return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views)
+    strided, strided_blocked = _strided_tiles(views, ps, blocked) if views is not None and n > 1 else (None, None)
+    return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views, strided=strided,
+                     strided_blocked=strided_blocked)
+
+
+def _strided_tiles(
+    views: tuple[tuple[int, int, int, int], ...], page_size: int, blocked: torch.Tensor
+) -> tuple[tuple[int, int, int] | None, torch.Tensor | None]:
+    """``(first slot, slots between tile starts, keys)`` and the tiles' masks over those keys, when
+    every read tile is as wide as the others and their starts are evenly spaced (requests admitted
+    together with equal needs), else ``(None, None)``."""
+    starts = [first_page * page_size + first for first_page, _, first, _ in views]
+    widths = {end - first for _, _, first, end in views}
+    stride = starts[1] - starts[0]
+    if len(widths) != 1 or stride < 0 or any(b - a != stride for a, b in zip(starts, starts[1:])):
+        return None, None
+    keys = widths.pop()
+    masks = torch.stack([blocked[i, :, :, :, first : first + keys] for i, (_, _, first, _) in enumerate(views)])
+    return (starts[0], stride, keys), masks
 
 
 def _in_place_views(
@@ -336,6 +359,8 @@ def _attend_group(
             qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=group.blocked.view(n, 1, rows, keys_per_tile).logical_not(), scale=1.0, enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
+    elif use_views and group.strided is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+        ctx = _attend_strided(qt, k_cache, v_cache, group, sinks)
     elif use_views:
         ctx = _attend_in_place(qt, k_cache, v_cache, group, sinks)
     else:
@@ -353,6 +378,33 @@ def _attend_group(
     if group.zero_rows is not None:
         ctx = ctx.masked_fill(group.zero_rows, 0.0)
     return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hq, dv)
+
+
+def _attend_strided(
+    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """``[n, Hkv, G, rows, Dv]`` for a group whose read tiles form one strided view of the cache
+    (see ``TileGroup.strided``): no gather, and one batch of matmuls for every tile."""
+    assert group.strided is not None and group.strided_blocked is not None
+    start, stride, keys = group.strided
+    n, rows = group.tiles, group.rows
+    hq, dk = qt.shape[1], qt.shape[2]
+    hkv, dv = v_cache.shape[2], v_cache.shape[3]
+    g = hq // hkv
+
+    def tiles_of(cache: torch.Tensor, d: int) -> torch.Tensor:  # [n, keys, Hkv, d], a view
+        return cache.as_strided((n, keys, hkv, d), (stride * hkv * d, hkv * d, d, 1), cache.storage_offset() + start * hkv * d)
+
+    k, v = tiles_of(k_cache, dk).float(), tiles_of(v_cache, dv).float()
+    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
+    scores = _per_kv_head_matmul(qh, k.permute(0, 2, 3, 1)).view(n, hkv, g, rows, keys)
+    scores.masked_fill_(group.strided_blocked, float("-inf"))
+    if sinks is None:
+        weights = torch.softmax(scores, -1)
+    else:
+        sink = sinks.float().view(1, hkv, g, 1, 1).expand(n, hkv, g, rows, 1)
+        weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
+    return _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, keys), v.permute(0, 2, 1, 3)).view(n, hkv, g, rows, dv)
 
 
 def _attend_in_place(

@@ -232,6 +232,24 @@ def test_consecutive_pages_are_read_in_place_and_match_dense_oracle(mode, window
         assert bool(in_place) == contiguous
 
 
+@pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2])
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (None, True, False), (3, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equal_requests_on_evenly_spaced_pages_are_one_strided_view(mode, window, sinks, hybrid, dtype, monkeypatch) -> None:
+    """Requests of equal length whose consecutive pages start evenly spaced (admitted together)
+    are attended as one strided view of the cache, in one batch; it equals the dense oracle."""
+    monkeypatch.setattr(reference_attention, "VIEW_MIN_TILE_BYTES", 0)
+    strided = []
+    original = reference_attention._attend_strided
+    monkeypatch.setattr(reference_attention, "_attend_strided", lambda *a: strided.append(a[3].tiles) or original(*a))
+    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    q_len = {M.DECODE: 1, M.TARGET_VERIFY: 4, M.DRAFT_EXTEND_V2: 4}[mode]
+    out, expect = run_reference(mode, layer, [10, 10, 10], [q_len] * 3, page_size=4, dtype=dtype, seed=9, hybrid=hybrid,
+                                contiguous=True)
+    assert_close(out, expect, dtype)
+    assert strided == [3]
+
+
 def test_gather_chunks_group_consecutive_requests_within_the_budget() -> None:
     """The budget counts fp32 K+V of the widest tile times the group size."""
     ps, hkv, dk, dv = 4, 1, 2, 2
