@@ -31,9 +31,10 @@ EXTEND_TILE_ROWS = 128
 # through torch's fused attention with a mask; on fewer rows (decode, verify, draft steps), or
 # where the head dims differ (its slow path), the explicit matmuls were measured faster.
 FUSED_MIN_ROWS = 32
-# A tile whose pages are consecutive in the pool is read in place (a view) instead of gathered,
-# one tile at a time, when it holds at least this many K+V bytes (or is the group's only tile):
-# below that, one batched gather and batched matmuls cost less than a Python loop over tiles.
+# A tile whose pages are consecutive in the pool is read in place (a view) instead of gathered.
+# Tiles that are not one strided view are attended one at a time, which pays only where each
+# holds at least this many K+V bytes (or is the group's only tile): below that, one batched
+# gather and batched matmuls cost less than a Python loop over tiles.
 VIEW_MIN_TILE_BYTES = 512 << 10
 
 
@@ -210,8 +211,12 @@ def _group(
         for t in tiles:
             first_key = 0 if sliding_window is None else max(0, t[3] - sliding_window)
             spans.append((first_key - t[4] * ps, min(kv_lens[t[0]], t[3] + t[2]) - t[4] * ps))
-        views = _in_place_views(tiles, spans, page_ids.view(n, pages), token_bytes)
+        views = _in_place_views(spans, page_ids.view(n, pages), [max(t[5], 1) for t in tiles])
     strided, strided_blocked = _strided_tiles(views, ps, blocked) if views is not None and n > 1 else (None, None)
+    if strided is None and n > 1 and views is not None:
+        narrowest = min(end - first for _, _, first, end in views)
+        if narrowest * token_bytes < VIEW_MIN_TILE_BYTES:
+            views = None  # small tiles one at a time cost more than one batched gather
     return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views, strided=strided,
                      strided_blocked=strided_blocked)
 
@@ -233,15 +238,13 @@ def _strided_tiles(
 
 
 def _in_place_views(
-    tiles: list[tuple[int, int, int, int, int, int]], spans: list[tuple[int, int]], page_ids: torch.Tensor, token_bytes: int
+    spans: list[tuple[int, int]], page_ids: torch.Tensor, used: list[int]
 ) -> tuple[tuple[int, int, int, int], ...] | None:
     """``(first page, pages, first key, end key)`` of each tile when all of them read consecutive
-    pages, see at least one key and are worth reading in place (``VIEW_MIN_TILE_BYTES`` of the keys
-    they see, or a lone tile), else None. ``page_ids`` is ``[tiles, pages]`` on the host."""
-    widths = [end - first for first, end in spans]
-    if min(widths) < 1 or (len(tiles) > 1 and min(widths) * token_bytes < VIEW_MIN_TILE_BYTES):
+    pages (``used[i]`` of row ``i`` of ``page_ids``, ``[tiles, pages]`` on the host) and see at
+    least one key, else None."""
+    if min(end - first for first, end in spans) < 1:
         return None
-    used = [max(t[5], 1) for t in tiles]
     steps = page_ids[:, 1:] - page_ids[:, :-1]
     within = torch.arange(1, page_ids.shape[1])[None, :] < torch.tensor(used)[:, None]
     if not bool(torch.where(within, steps == 1, True).all()):
