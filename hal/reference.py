@@ -341,100 +341,89 @@ def _attend_group(
     keys_per_tile = group.pages * v_cache.shape[1]
     qt = q[group.q_rows] if isinstance(group.q_rows, slice) else q.index_select(0, group.q_rows)
     qt = qt.float() * scaling  # [n * rows, Hq, Dk]
-    use_views = group.views is not None and not group.causal_square and not (sinks is None and dk == dv and rows >= FUSED_MIN_ROWS)
-    if use_views:
-        keys = values = qt  # unused: the tiles are read in place
+    fused_tile = sinks is None and dk == dv and rows >= FUSED_MIN_ROWS
+    if group.views is not None and not group.causal_square and not fused_tile:
+        if group.strided is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+            ctx = _attend_strided(qt, k_cache, v_cache, group, sinks)
+        else:
+            ctx = _attend_in_place(qt, k_cache, v_cache, group, sinks)
     else:
         keys = _gather_pages(k_cache, group.page_ids, workspace, "k").view(n, keys_per_tile, hkv, dk)
         values = _gather_pages(v_cache, group.page_ids, workspace, "v").view(n, keys_per_tile, hkv, dv)
-    if group.causal_square:
-        if sinks is not None:
-            raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
-        k, v = keys[:, : group.causal_square], values[:, : group.causal_square]
-        ctx = torch.nn.functional.scaled_dot_product_attention(
-            qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=1.0,
-            enable_gqa=g > 1,
-        ).view(n, hkv, g, rows, dv)
-    elif sinks is None and dk == dv and rows >= FUSED_MIN_ROWS:
-        # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompt
-        # tiles). GQA as hal defines it: query head h reads kv head h // G.
-        ctx = torch.nn.functional.scaled_dot_product_attention(
-            qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=group.blocked.view(n, 1, rows, keys_per_tile).logical_not(), scale=1.0, enable_gqa=g > 1,
-        ).view(n, hkv, g, rows, dv)
-    elif use_views and group.strided is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
-        ctx = _attend_strided(qt, k_cache, v_cache, group, sinks)
-    elif use_views:
-        ctx = _attend_in_place(qt, k_cache, v_cache, group, sinks)
-    else:
-        # [n, Hkv, G * rows, Dk]: a tile's query heads of one kv head ride as extra query rows.
-        qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
-        scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, keys_per_tile)
-        scores.masked_fill_(group.blocked, float("-inf"))
-        if sinks is None:
-            weights = torch.softmax(scores, -1)
-        else:  # the sink is one more logit in each row's softmax, with no value
-            sink = sinks.float().view(1, hkv, g, 1, 1).expand(n, hkv, g, rows, 1)
-            weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
-        ctx = _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, keys_per_tile), values.permute(0, 2, 1, 3))
-        ctx = ctx.view(n, hkv, g, rows, dv)
+        if group.causal_square:
+            if sinks is not None:
+                raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
+            k, v = keys[:, : group.causal_square], values[:, : group.causal_square]
+            ctx = torch.nn.functional.scaled_dot_product_attention(
+                qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=1.0,
+                enable_gqa=g > 1,
+            ).view(n, hkv, g, rows, dv)
+        elif fused_tile:
+            # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompt
+            # tiles). GQA as hal defines it: query head h reads kv head h // G.
+            ctx = torch.nn.functional.scaled_dot_product_attention(
+                qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=group.blocked.view(n, 1, rows, keys_per_tile).logical_not(), scale=1.0, enable_gqa=g > 1,
+            ).view(n, hkv, g, rows, dv)
+        else:
+            ctx = _explicit_attention(qt, keys, values, group.blocked, sinks)
     if group.zero_rows is not None:
         ctx = ctx.masked_fill(group.zero_rows, 0.0)
     return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hq, dv)
 
 
-def _attend_strided(
-    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
+def _explicit_attention(
+    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor, sinks: torch.Tensor | None
 ) -> torch.Tensor:
-    """``[n, Hkv, G, rows, Dv]`` for a group whose read tiles form one strided view of the cache
-    (see ``TileGroup.strided``): no gather, and one batch of matmuls for every tile."""
-    assert group.strided is not None and group.strided_blocked is not None
-    start, stride, keys = group.strided
-    n, rows = group.tiles, group.rows
-    hq, dk = qt.shape[1], qt.shape[2]
-    hkv, dv = v_cache.shape[2], v_cache.shape[3]
-    g = hq // hkv
-
-    def tiles_of(cache: torch.Tensor, d: int) -> torch.Tensor:  # [n, keys, Hkv, d], a view
-        return cache.as_strided((n, keys, hkv, d), (stride * hkv * d, hkv * d, d, 1), cache.storage_offset() + start * hkv * d)
-
-    k, v = tiles_of(k_cache, dk).float(), tiles_of(v_cache, dv).float()
+    """``[n, Hkv, G, rows, Dv]`` from the scaled fp32 query rows ``qt [n * rows, Hq, Dk]`` of ``n``
+    tiles, their ``keys [n, K, Hkv, Dk]`` and ``values [n, K, Hkv, Dv]`` (gathered, or views of the
+    cache) and the mask ``blocked [n, 1, 1, rows, K]``: a tile's query heads of one kv head ride as
+    extra query rows, and the sink is one more logit in each row's softmax, with no value."""
+    n, num_keys, hkv, dk = keys.shape
+    hq, dv = qt.shape[1], values.shape[3]
+    g, rows = hq // hkv, qt.shape[0] // n
     qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
-    scores = _per_kv_head_matmul(qh, k.permute(0, 2, 3, 1)).view(n, hkv, g, rows, keys)
-    scores.masked_fill_(group.strided_blocked, float("-inf"))
+    scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, num_keys)
+    scores.masked_fill_(blocked, float("-inf"))
     if sinks is None:
         weights = torch.softmax(scores, -1)
     else:
         sink = sinks.float().view(1, hkv, g, 1, 1).expand(n, hkv, g, rows, 1)
         weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
-    return _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, keys), v.permute(0, 2, 1, 3)).view(n, hkv, g, rows, dv)
+    return _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, num_keys), values.permute(0, 2, 1, 3)).view(n, hkv, g, rows, dv)
+
+
+def _attend_strided(
+    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """``_explicit_attention`` for a group whose read tiles form one strided view of the cache
+    (see ``TileGroup.strided``): no gather, and one batch of matmuls for every tile."""
+    assert group.strided is not None and group.strided_blocked is not None
+    start, stride, keys = group.strided
+    n, hkv = group.tiles, v_cache.shape[2]
+
+    def tiles_of(cache: torch.Tensor) -> torch.Tensor:  # [n, keys, Hkv, d], a view
+        d = cache.shape[3]
+        return cache.as_strided((n, keys, hkv, d), (stride * hkv * d, hkv * d, d, 1), cache.storage_offset() + start * hkv * d)
+
+    return _explicit_attention(qt, tiles_of(k_cache).float(), tiles_of(v_cache).float(), group.strided_blocked, sinks)
 
 
 def _attend_in_place(
     qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
 ) -> torch.Tensor:
-    """``[n, Hkv, G, rows, Dv]`` for a group whose tiles read consecutive pages: each tile's K/V is a
-    view of the cache (no gather), its query heads of one kv head riding as extra query rows."""
+    """``_explicit_attention`` for a group whose tiles read consecutive pages, one tile at a time:
+    each tile's K/V is a view of the cache (no gather), only the keys some row of it sees."""
     assert group.views is not None
-    n, rows = group.tiles, group.rows
-    hq, dk = qt.shape[1], qt.shape[2]
-    ps, hkv, dv = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
-    g = hq // hkv
-    ctx = qt.new_empty((n, hkv, g, rows, dv))
-    sink = None if sinks is None else sinks.float().view(hkv, g, 1, 1).expand(hkv, g, rows, 1)
+    rows = group.rows
+    ps, hkv = v_cache.shape[1], v_cache.shape[2]
+    tiles = []
     for i, (first_page, pages, first, end) in enumerate(group.views):
-        keys = end - first  # only the keys some row sees: consecutive pages are one run of slots
-        k = k_cache[first_page : first_page + pages].reshape(pages * ps, hkv, dk)[first:end].float()
-        v = v_cache[first_page : first_page + pages].reshape(pages * ps, hkv, dv)[first:end].float()
-        qh = qt[i * rows : (i + 1) * rows].view(rows, hkv, g, dk).permute(1, 2, 0, 3).reshape(hkv, g * rows, dk)
-        scores = torch.matmul(qh, k.permute(1, 2, 0)).view(hkv, g, rows, keys)
-        scores.masked_fill_(group.blocked[i, :, :, :, first:end], float("-inf"))
-        if sink is None:
-            weights = torch.softmax(scores, -1)
-        else:
-            weights = torch.softmax(torch.cat([sink, scores], -1), -1)[..., 1:]
-        ctx[i] = torch.matmul(weights.reshape(hkv, g * rows, keys), v.permute(1, 0, 2)).view(hkv, g, rows, dv)
-    return ctx
+        k = k_cache[first_page : first_page + pages].reshape(pages * ps, hkv, -1)[first:end].float()
+        v = v_cache[first_page : first_page + pages].reshape(pages * ps, hkv, -1)[first:end].float()
+        tiles.append(_explicit_attention(qt[i * rows : (i + 1) * rows], k[None], v[None],
+                                         group.blocked[i : i + 1, :, :, :, first:end], sinks))
+    return torch.cat(tiles)
 
 
 # Below this many gathered elements a batched matmul over kv heads (which first copies K or V into

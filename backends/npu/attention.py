@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hal.backends.npu import runtime
-from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, KVPool, LayerSpec, UnsupportedConfigError
+from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, KVPool, LayerSpec
 
 INT_MAX = 2147483647
 SPARSE_RIGHT_DOWN_CAUSAL = 3
@@ -123,14 +123,10 @@ class NpuAttention(AttentionKernelBase):
     def check_supported(self, layer: LayerSpec, metadata: AttentionMetadata) -> None:
         """Raise UnsupportedConfigError if FIA v2 cannot run ``layer`` on this pool for ``metadata``
         (the base class's check, remembered per layer and query kind)."""
-        max_q = max(metadata.q_lens_cpu, default=0)
-        key = (layer, max_q > 1)
+        key = (layer, max(metadata.q_lens_cpu, default=0) > 1)
         if key in self._checked and metadata.batch_size <= MAX_BATCH:
             return
-        spec = self.pool.spec
-        reason = unsupported_reason(layer, spec.dtype, spec.page_size, max_q, metadata.batch_size)
-        if reason is not None:
-            raise UnsupportedConfigError(f"NPU attention, layer {layer.layer_id}: {reason}")
+        super().check_supported(layer, metadata)
         self._checked.add(key)
 
     def fia_arguments(
