@@ -26,7 +26,8 @@ BufferCopies = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 def refreshed_metadata(static: AttentionMetadata, new: AttentionMetadata) -> tuple[AttentionMetadata, BufferCopies]:
     """What a captured forward reads for the batch ``new``: the record over ``static``'s device
     tensors (the addresses the graph captured) with ``new``'s host values, and the copies that put
-    ``new``'s device values into those tensors (their shapes are checked when applied)."""
+    ``new``'s device values into those tensors. A batch whose tensors differ in shape is a
+    ``GraphError`` naming the tensor, before any record or copy is made."""
     if new.mode != static.mode or new.page_size != static.page_size:
         raise GraphError(f"captured {static.mode.name} metadata (pages of {static.page_size}) cannot take "
                          f"{new.mode.name} metadata (pages of {new.page_size})")
@@ -96,7 +97,8 @@ class CapturedForward:
         A record over other tensors than the captured ones is a ``GraphError``."""
         if record is None or self.metadata is None:
             if self.graph.captured_calls:
-                raise GraphError("replay_refreshed: the graph captured hal kernel calls; replay it with their metadata")
+                raise GraphError("replay_refreshed: the graph captured hal kernel calls, and no metadata was prepared "
+                                 "for this replay; the captured calls need its host arguments")
             self.graph.replay(None)
             return self.outputs
         captured, given = self.metadata.tensors(), record.tensors()

@@ -149,9 +149,10 @@ class TargetEngine:
         page_size = self.backend.default_page_size if page_size is None else page_size
         layers = spec.target_layers + self.draft_layers
         bounds = {"max_q_len": max_seq_len, "batch_size": max_batch_size}
-        if kv_dtype is None:
+        if kv_dtype is None:  # a dtype the kernel runs every layer in (or UnsupportedConfigError)
             kv_dtype = self.backend.kv_dtype_for(layers, page_size, **bounds)
-        self.backend.check_layers(layers, kv_dtype, page_size, **bounds)
+        else:
+            self.backend.check_layers(layers, kv_dtype, page_size, **bounds)
         self.model = model.to(self.device).eval()
         self.spec = spec
         self.max_seq_len = max_seq_len

@@ -74,11 +74,7 @@ class HalGraphBackend(BaseCudaGraphBackend):
 
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
         # The attention backend refreshed its captured metadata (init_forward_metadata_out_graph).
-        captured = self._captured[shape_key]
-        metadata = self._attention_metadata()
-        if metadata is None and captured.graph.captured_calls:
-            raise GraphError("hal's graph backend: the attention backend prepared no metadata for this replay")
-        return captured.replay_refreshed(metadata)
+        return self._captured[shape_key].replay_refreshed(self._attention_metadata())
 
     def cleanup(self) -> None:
         self._captured.clear()
