@@ -7,7 +7,9 @@ and shared by every layer of the same kind: query rows are cut into tiles (a who
 decode, verify and draft steps; ``EXTEND_TILE_ROWS`` rows of a prompt), each tile gathers only the
 pages holding the keys it can see (on a sliding-window layer the last ``W + rows`` positions, so
 the cost does not grow with the context), and tiles are attended in groups that share one padded
-shape.
+shape. A step whose requests' pages lie evenly spaced in the pool (an engine reserving each
+request's pages at once) reads the cache in place as one strided view, through torch's CPU flash
+attention where the cache is fp32.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ FUSED_MIN_ROWS = 32
 # holds at least this many K+V bytes (or is the group's only tile): below that, one batched
 # gather and batched matmuls cost less than a Python loop over tiles.
 VIEW_MIN_TILE_BYTES = 512 << 10
+# A batch read as one strided view of the cache (see ``_strided_groups``) is attended in groups of
+# up to this many fp32 K+V bytes. Nothing is copied from an fp32 cache, so the bound is on transient
+# memory only (the fp32 copy of a bf16/fp16 cache, the scores), far above a gather chunk: one batch
+# of matmuls over every request is what makes the in-place read fast.
+STRIDED_GROUP_BYTES = 64 << 20
 
 
 class GatherWorkspace:
@@ -64,8 +71,11 @@ class TileGroup:
     tiles: int
     rows: int
     pages: int
-    page_ids: torch.Tensor  # [tiles * pages] pages to gather, in key order per tile
-    blocked: torch.Tensor  # [tiles, 1, 1, rows, pages * page_size] bool: key hidden from the row (unused by a causal square)
+    # [tiles * pages] pages to gather, in key order per tile, and [tiles, 1, 1, rows, pages *
+    # page_size] bool: key hidden from the row (unused by a causal square). None for a group made
+    # to be read as one strided view (``_strided_groups``), which gathers nothing.
+    page_ids: torch.Tensor | None
+    blocked: torch.Tensor | None
     # Packed q rows read by the tile rows: a slice when the group is a contiguous run of whole
     # tiles, else an index (padding rows read row 0).
     q_rows: slice | torch.Tensor
@@ -82,7 +92,8 @@ class TileGroup:
     views: tuple[tuple[int, int, int, int], ...] | None = None
     # When the read tiles are equally wide and start equally far apart in the pool: (first slot,
     # slots between tile starts, keys per tile) and the mask over exactly those keys
-    # [tiles, 1, 1, rows, keys]; the tiles are then one strided view, attended in one batch.
+    # ([tiles or 1, 1, 1, rows, keys]; None when every row sees every key, as in decode); the
+    # tiles are then one strided view, attended in one batch.
     strided: tuple[int, int, int] | None = None
     strided_blocked: torch.Tensor | None = None
 
@@ -115,7 +126,8 @@ def plan_attention(
     attention, no score tensor), so a prompt with no cached prefix on a full layer is one causal
     square rather than row tiles. ``in_place``: the block table may be read on the host (the
     caller's tensors live there), so tiles whose pages are consecutive are read as views of the
-    cache instead of gathered (see ``VIEW_MIN_TILE_BYTES``).
+    cache instead of gathered (see ``VIEW_MIN_TILE_BYTES``), and a batch of equal requests on
+    evenly spaced pages as one strided view (``_strided_groups``).
     """
     budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     ps = page_size
@@ -137,6 +149,10 @@ def plan_attention(
             page_lo = lo // ps
             tiles.append((b, row + first, n, pos, page_lo, max(0, -(-hi // ps) - page_lo)))
         row += q
+    if in_place and tiles and len(tiles) == len(kv_lens):
+        strided = _strided_groups(tiles, kv_lens, block_table, ps, sliding_window, token_bytes)
+        if strided is not None:
+            return AttentionPlan(tuple(strided))
     if len(tiles) > len(kv_lens):
         # Prompts cut into tiles: on full layers later tiles read more keys. Grouping tiles of
         # similar width pads each to fewer keys (about half the work of causal prefill).
@@ -219,6 +235,57 @@ def _group(
             views = None  # small tiles one at a time cost more than one batched gather
     return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views, strided=strided,
                      strided_blocked=strided_blocked)
+
+
+def _strided_groups(
+    tiles: list[tuple[int, int, int, int, int, int]],
+    kv_lens: Sequence[int],
+    block_table: torch.Tensor,
+    ps: int,
+    sliding_window: int | None,
+    token_bytes: int,
+) -> list[TileGroup] | None:
+    """Groups reading a batch as one strided view of the cache, or None when it is not one: every
+    request one tile of equal rows and equal keys read, its pages consecutive in the pool, the
+    requests' first read slots evenly spaced (requests admitted together, their pages reserved at
+    once). The common decode, verify and draft step; planned from the host block table's few
+    entries, with one mask shared by every tile (none in decode)."""
+    rows = tiles[0][2]
+    spans = []  # (request, first key read, end key)
+    for request, _, n, pos, _, _ in tiles:
+        first = 0 if sliding_window is None else max(0, pos - sliding_window)
+        spans.append((request, first, min(kv_lens[request], pos + n)))
+        if n != rows:
+            return None
+    keys = spans[0][2] - spans[0][1]
+    if rows < 1 or keys < 1 or any(end - first != keys for _, first, end in spans):
+        return None
+    table = block_table[:, : (max(end for _, _, end in spans) - 1) // ps + 1].tolist()
+    starts, views = [], []
+    for request, first, end in spans:
+        pages = table[request][first // ps : (end - 1) // ps + 1]
+        if pages != list(range(pages[0], pages[0] + len(pages))):
+            return None
+        starts.append(pages[0] * ps + first % ps)
+        views.append((pages[0], len(pages), first % ps, first % ps + keys))
+    stride = starts[1] - starts[0] if len(starts) > 1 else 0
+    if stride < 0 or any(b - a != stride for a, b in zip(starts, starts[1:])):
+        return None
+    mask = None
+    if rows > 1:  # row i reads up to its own key, keys - rows + i, and on a window layer from W before it
+        own = torch.arange(keys - rows, keys)[:, None]
+        key = torch.arange(keys)[None, :]
+        hidden = key > own
+        if sliding_window is not None:
+            hidden |= key < own - sliding_window
+        mask = hidden.view(1, 1, 1, rows, keys).to(block_table.device)
+    per_group = max(1, STRIDED_GROUP_BYTES // max(1, keys * token_bytes))
+    return [
+        TileGroup(len(views[i : i + per_group]), rows, max(v[1] for v in views[i : i + per_group]), None, None,
+                  slice(i * rows, (i + len(views[i : i + per_group])) * rows), None, None,
+                  views=tuple(views[i : i + per_group]), strided=(starts[i], stride, keys), strided_blocked=mask)
+        for i in range(0, len(views), per_group)
+    ]
 
 
 def _strided_tiles(
@@ -338,53 +405,69 @@ def _attend_group(
     hq, dk = q.shape[1], q.shape[2]
     hkv, dv = v_cache.shape[2], v_cache.shape[3]
     g = hq // hkv
-    keys_per_tile = group.pages * v_cache.shape[1]
     qt = q[group.q_rows] if isinstance(group.q_rows, slice) else q.index_select(0, group.q_rows)
     qt = qt.float() * scaling  # [n * rows, Hq, Dk]
     fused_tile = sinks is None and dk == dv and rows >= FUSED_MIN_ROWS
-    if group.views is not None and not group.causal_square and not fused_tile:
-        if group.strided is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
-            ctx = _attend_strided(qt, k_cache, v_cache, group, sinks)
-        else:
-            ctx = _attend_in_place(qt, k_cache, v_cache, group, sinks)
+    flash = _flash_strided(qt, k_cache, v_cache, group, sinks)
+    if flash is not None:
+        return _rows_of(flash, group.zero_rows)
+    strided = _strided_views(k_cache, v_cache, group)
+    if strided is not None:
+        keys, values = strided
+        mask = group.strided_blocked
+    elif group.views is not None and not group.causal_square and (group.page_ids is None or not fused_tile):
+        ctx = _attend_in_place(qt, k_cache, v_cache, group, sinks)
+        return _rows_of(ctx, group.zero_rows)
     else:
+        assert group.page_ids is not None  # a group without page ids is read in place
+        keys_per_tile = group.pages * v_cache.shape[1]
         keys = _gather_pages(k_cache, group.page_ids, workspace, "k").view(n, keys_per_tile, hkv, dk)
         values = _gather_pages(v_cache, group.page_ids, workspace, "v").view(n, keys_per_tile, hkv, dv)
-        if group.causal_square:
-            if sinks is not None:
-                raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
-            k, v = keys[:, : group.causal_square], values[:, : group.causal_square]
-            ctx = torch.nn.functional.scaled_dot_product_attention(
-                qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=1.0,
-                enable_gqa=g > 1,
-            ).view(n, hkv, g, rows, dv)
-        elif fused_tile:
-            # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompt
-            # tiles). GQA as hal defines it: query head h reads kv head h // G.
-            ctx = torch.nn.functional.scaled_dot_product_attention(
-                qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=group.blocked.view(n, 1, rows, keys_per_tile).logical_not(), scale=1.0, enable_gqa=g > 1,
-            ).view(n, hkv, g, rows, dv)
-        else:
-            ctx = _explicit_attention(qt, keys, values, group.blocked, sinks)
-    if group.zero_rows is not None:
-        ctx = ctx.masked_fill(group.zero_rows, 0.0)
-    return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hq, dv)
+        mask = group.blocked
+    if group.causal_square:
+        if sinks is not None:
+            raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
+        k, v = keys[:, : group.causal_square], values[:, : group.causal_square]
+        ctx = torch.nn.functional.scaled_dot_product_attention(
+            qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=1.0,
+            enable_gqa=g > 1,
+        ).view(n, hkv, g, rows, dv)
+    elif fused_tile:
+        # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompt
+        # tiles). GQA as hal defines it: query head h reads kv head h // G.
+        ctx = torch.nn.functional.scaled_dot_product_attention(
+            qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=None if mask is None else mask.view(-1, 1, rows, keys.shape[1]).logical_not(), scale=1.0,
+            enable_gqa=g > 1,
+        ).view(n, hkv, g, rows, dv)
+    else:
+        ctx = _explicit_attention(qt, keys, values, mask, sinks)
+    return _rows_of(ctx, group.zero_rows)
+
+
+def _rows_of(ctx: torch.Tensor, zero_rows: torch.Tensor | None) -> torch.Tensor:
+    """``[n, Hkv, G, rows, Dv]`` as packed output rows ``[n * rows, Hq, Dv]``, rows that see no key zeroed."""
+    n, hkv, g, rows, dv = ctx.shape
+    if zero_rows is not None:
+        ctx = ctx.masked_fill(zero_rows, 0.0)
+    return ctx.permute(0, 3, 1, 2, 4).reshape(n * rows, hkv * g, dv)
 
 
 def _explicit_attention(
-    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor, sinks: torch.Tensor | None
+    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """``[n, Hkv, G, rows, Dv]`` from the scaled fp32 query rows ``qt [n * rows, Hq, Dk]`` of ``n``
     tiles, their ``keys [n, K, Hkv, Dk]`` and ``values [n, K, Hkv, Dv]`` (gathered, or views of the
-    cache) and the mask ``blocked [n, 1, 1, rows, K]``: a tile's query heads of one kv head ride as
-    extra query rows, and the sink is one more logit in each row's softmax, with no value."""
+    cache) and the mask ``blocked [n or 1, 1, 1, rows, K]`` (None: every row sees every key): a
+    tile's query heads of one kv head ride as extra query rows, and the sink is one more logit in
+    each row's softmax, with no value."""
     n, num_keys, hkv, dk = keys.shape
     hq, dv = qt.shape[1], values.shape[3]
     g, rows = hq // hkv, qt.shape[0] // n
     qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
     scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, num_keys)
-    scores.masked_fill_(blocked, float("-inf"))
+    if blocked is not None:
+        scores.masked_fill_(blocked, float("-inf"))
     if sinks is None:
         weights = torch.softmax(scores, -1)
     else:
@@ -393,20 +476,67 @@ def _explicit_attention(
     return _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, num_keys), values.permute(0, 2, 1, 3)).view(n, hkv, g, rows, dv)
 
 
-def _attend_strided(
-    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
-) -> torch.Tensor:
-    """``_explicit_attention`` for a group whose read tiles form one strided view of the cache
-    (see ``TileGroup.strided``): no gather, and one batch of matmuls for every tile."""
-    assert group.strided is not None and group.strided_blocked is not None
+def _strided_views(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The group's tiles as fp32 views ``[n, keys, Hkv, d]`` of K and V (see ``TileGroup.strided``),
+    or None when it has none or a cache's slots are not evenly spaced across its pages."""
+    k, v = _strided_view(k_cache, group), _strided_view(v_cache, group)
+    return None if k is None or v is None else (k.float(), v.float())
+
+
+def _strided_view(cache: torch.Tensor, group: TileGroup, width: int | None = None) -> torch.Tensor | None:
+    """``[n, keys, Hkv, width]`` view of ``cache`` (width: its head dim unless given) at the group's
+    strided tiles, or None (no strided tiles, slots not evenly spaced across pages, or a view
+    reaching past the storage)."""
+    if group.strided is None:
+        return None
     start, stride, keys = group.strided
-    n, hkv = group.tiles, v_cache.shape[2]
+    page, slot, head, dim = cache.stride()
+    if page != cache.shape[1] * slot or dim != 1:
+        return None
+    width = cache.shape[3] if width is None else width
+    offset = cache.storage_offset() + start * slot
+    last = offset + ((group.tiles - 1) * stride + keys - 1) * slot + (cache.shape[2] - 1) * head + width
+    if last > cache.untyped_storage().nbytes() // cache.element_size():
+        return None
+    return cache.as_strided((group.tiles, keys, cache.shape[2], width), (stride * slot, slot, head, 1), offset)
 
-    def tiles_of(cache: torch.Tensor) -> torch.Tensor:  # [n, keys, Hkv, d], a view
-        d = cache.shape[3]
-        return cache.as_strided((n, keys, hkv, d), (stride * hkv * d, hkv * d, d, 1), cache.storage_offset() + start * hkv * d)
 
-    return _explicit_attention(qt, tiles_of(k_cache).float(), tiles_of(v_cache).float(), group.strided_blocked, sinks)
+# torch's CPU flash attention, which also returns each row's log-sum-exp (for the sink); absent
+# from a torch build without it, where the explicit matmuls serve instead.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash_strided(
+    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``[n, Hkv, G, rows, Dv]`` of a strided group by torch's CPU flash attention over the cache
+    in place, or None where it does not apply (a cache not fp32, qk head dim below v's). Strided
+    groups come from plans made ``in_place``, whose tensors live on the host.
+
+    The flash kernel needs equal head dims: V is read ``Dk`` wide, its extra columns running into
+    the next head's (or slot's) values; output column ``c`` weighs only V's column ``c``, so the
+    extra columns are dropped unread by anything else. A sink is one more term of each row's
+    softmax denominator: ``out * sigmoid(lse - sink)``."""
+    hq, dk = qt.shape[1], qt.shape[2]
+    hkv, dv = v_cache.shape[2], v_cache.shape[3]
+    if _FLASH_CPU is None or group.strided is None or dk < dv or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+        return None
+    keys, values = _strided_view(k_cache, group), _strided_view(v_cache, group, width=dk)
+    if keys is None or values is None:
+        return None
+    n, rows, g = group.tiles, group.rows, hq // hkv
+    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
+    mask = None
+    if group.strided_blocked is not None:  # [1 or n, 1, 1, rows, keys] -> additive, per query head row
+        blocked = group.strided_blocked.expand(-1, 1, g, rows, -1).reshape(-1, 1, g * rows, keys.shape[1])
+        mask = torch.zeros(blocked.shape, dtype=torch.float32, device=blocked.device).masked_fill_(blocked, float("-inf"))
+    out, lse = _FLASH_CPU(qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=1.0)
+    ctx = out[..., :dv]
+    if sinks is not None:
+        ctx = ctx * torch.sigmoid(lse - sinks.float().view(1, hkv, g, 1).expand(n, hkv, g, rows).reshape(n, hkv, g * rows))[..., None]
+    return ctx.reshape(n, hkv, g, rows, dv)
 
 
 def _attend_in_place(
@@ -421,8 +551,9 @@ def _attend_in_place(
     for i, (first_page, pages, first, end) in enumerate(group.views):
         k = k_cache[first_page : first_page + pages].reshape(pages * ps, hkv, -1)[first:end].float()
         v = v_cache[first_page : first_page + pages].reshape(pages * ps, hkv, -1)[first:end].float()
-        tiles.append(_explicit_attention(qt[i * rows : (i + 1) * rows], k[None], v[None],
-                                         group.blocked[i : i + 1, :, :, :, first:end], sinks))
+        # a strided group's mask is over exactly [first, end) of every tile
+        mask = group.strided_blocked if group.blocked is None else group.blocked[i : i + 1, :, :, :, first:end]
+        tiles.append(_explicit_attention(qt[i * rows : (i + 1) * rows], k[None], v[None], mask, sinks))
     return torch.cat(tiles)
 
 

@@ -235,19 +235,84 @@ def test_consecutive_pages_are_read_in_place_and_match_dense_oracle(mode, window
 @pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2])
 @pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (None, True, False), (3, True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equal_requests_on_evenly_spaced_pages_are_one_strided_view(mode, window, sinks, hybrid, dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("group_bytes", [None, 1])
+@pytest.mark.parametrize("v_dim", [4, 12])
+def test_equal_requests_on_evenly_spaced_pages_are_one_strided_view(mode, window, sinks, hybrid, dtype, group_bytes, v_dim,
+                                                                    monkeypatch) -> None:
     """Requests of equal length whose consecutive pages start evenly spaced (admitted together)
-    are attended as one strided view of the cache, in one batch; it equals the dense oracle."""
-    monkeypatch.setattr(reference_attention, "VIEW_MIN_TILE_BYTES", 0)
-    strided = []
-    original = reference_attention._attend_strided
-    monkeypatch.setattr(reference_attention, "_attend_strided", lambda *a: strided.append(a[3].tiles) or original(*a))
-    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    are attended as one strided view of the cache, in one batch (or one request per group under
+    a budget of one byte): through torch's flash kernel where the cache is fp32 and the qk head
+    dim is at least v's, else the explicit matmuls. Both equal the dense oracle."""
+    if group_bytes is not None:
+        monkeypatch.setattr(reference_attention, "STRIDED_GROUP_BYTES", group_bytes)
+    views, flash = [], []
+    view, flash_strided = reference_attention._strided_view, reference_attention._flash_strided
+    monkeypatch.setattr(reference_attention, "_strided_view", lambda *a, **k: views.append(a[1].tiles) or view(*a, **k))
+    monkeypatch.setattr(reference_attention, "_flash_strided",
+                        lambda *a: (lambda out: flash.append(out is not None) or out)(flash_strided(*a)))
+    layer = LayerSpec(1, 4, 2, 8, v_dim, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
     q_len = {M.DECODE: 1, M.TARGET_VERIFY: 4, M.DRAFT_EXTEND_V2: 4}[mode]
     out, expect = run_reference(mode, layer, [10, 10, 10], [q_len] * 3, page_size=4, dtype=dtype, seed=9, hybrid=hybrid,
                                 contiguous=True)
     assert_close(out, expect, dtype)
-    assert strided == [3]
+    per_group = [3] if group_bytes is None else [1, 1, 1]
+    assert views == [t for t in per_group for _ in range(2)]  # K and V of each group, read in place
+    assert flash == [dtype == torch.float32 and v_dim <= 8] * len(per_group)
+
+
+@st.composite
+def strided_cases(draw):
+    """Equal requests on consecutive pages: the batches the strided plan serves."""
+    mode = draw(st.sampled_from([M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]))
+    q_len = 1 if mode is M.DECODE else draw(st.integers(1, 6))
+    b, ps = draw(st.integers(1, 4)), draw(st.sampled_from([1, 2, 4, 8]))
+    kv = draw(st.integers(q_len, 30)) if mode is not M.EXTEND else q_len + draw(st.integers(0, 20))
+    window = draw(st.one_of(st.none(), st.integers(0, 8)))
+    hkv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    layer = LayerSpec(1, hkv * group, hkv, 8, draw(st.sampled_from([4, 8, 12])), scaling=draw(st.floats(0.05, 1.0)),
+                      sliding_window=window, has_sinks=draw(st.booleans()))
+    return dict(mode=mode, layer=layer, kv_lens=[kv] * b, q_lens=[q_len] * b, page_size=ps,
+                dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 2**31 - 1)),
+                hybrid=window is not None and draw(st.booleans()), contiguous=True)
+
+
+@EXPENSIVE
+@given(case=strided_cases(), group_bytes=st.sampled_from([None, 1, 4096]))
+def test_strided_plan_matches_dense_oracle(case, group_bytes) -> None:
+    saved = reference_attention.STRIDED_GROUP_BYTES
+    reference_attention.STRIDED_GROUP_BYTES = saved if group_bytes is None else group_bytes
+    try:
+        out, expect = run_reference(**case)
+    finally:
+        reference_attention.STRIDED_GROUP_BYTES = saved
+    assert_close(out, expect, case["dtype"])
+
+
+@pytest.mark.parametrize("q_len, window, sinks", [(1, None, True), (4, 3, True), (4, None, False)])
+def test_a_cache_with_gaps_between_pages_is_read_tile_by_tile(q_len, window, sinks, monkeypatch) -> None:
+    """A strided plan over a cache whose pages are not evenly spaced slots (a view of every other
+    slot block) is read one tile at a time instead, through the same shared mask."""
+    in_place = []
+    original = reference_attention._attend_in_place
+    monkeypatch.setattr(reference_attention, "_attend_in_place", lambda *a: in_place.append(a[3].tiles) or original(*a))
+    gen = torch.Generator().manual_seed(4)
+    ps, hkv, dk, dv, kv, b = 4, 2, 8, 12, 10, 3
+    layer = LayerSpec(0, 4, hkv, dk, dv, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    k_cache = torch.randn(12, 2 * ps, hkv, dk, generator=gen)[:, :ps]  # page stride of 2 * ps slots
+    v_cache = torch.randn(12, 2 * ps, hkv, dv, generator=gen)[:, :ps]
+    table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int32)
+    q = torch.randn(b * q_len, 4, dk, generator=gen)
+    sink_logits = torch.randn(4, generator=gen) if sinks else None
+    cu = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32)
+    plan = reference_attention.plan_attention([kv] * b, [q_len] * b, table, ps, sliding_window=window,
+                                              token_bytes=hkv * (dk + dv) * 4, in_place=True)
+    assert [g.strided is not None for g in plan.groups] == [True]
+    out = paged_attention(q, k_cache, v_cache, table, torch.full((b,), kv, dtype=torch.int32), cu, scaling=layer.scaling,
+                          sliding_window=window, sinks=sink_logits, plan=plan)
+    keys = [k_cache[table[r].long()].reshape(-1, hkv, dk)[:kv] for r in range(b)]
+    values = [v_cache[table[r].long()].reshape(-1, hkv, dv)[:kv] for r in range(b)]
+    torch.testing.assert_close(out.double(), dense_oracle(q, keys, values, [q_len] * b, layer, sink_logits), atol=1e-5, rtol=1e-5)
+    assert in_place == [3]
 
 
 def test_gather_chunks_group_consecutive_requests_within_the_budget() -> None:
