@@ -147,6 +147,20 @@ class RequestPageTable:
 
     _HOST_LOOP_MAX = 64
 
+    def slot_list(self, spans: Sequence[tuple[int, int, int]]) -> list[int]:
+        """Full-pool slots of positions ``start .. end - 1`` of each ``(request, start, end)``, in
+        order, as one list (a step's slots for ``build_metadata``); beyond a reservation raises
+        ``CacheLocationError``."""
+        ps, out = self.page_size, []
+        for request, start, end in spans:
+            pages = self._pages.get(request, [])
+            if start < 0 or end > len(pages) * ps:
+                raise CacheLocationError(
+                    f"slots: request {request} has {len(pages) * ps} reserved positions, asked for {start}..{end - 1}"
+                )
+            out += [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        return out
+
     def release(self, request: int) -> None:
         """Free all of the request's pages (no-op for an unknown request)."""
         self.allocator.free(self._pages.pop(request, []))

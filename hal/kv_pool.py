@@ -268,9 +268,16 @@ def check_pool_size(spec: KVPoolSpec, device_bytes: int | None) -> None:
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)
 
 
+# Below this many rows (a decode step's few tokens) finding the wide view costs more than it saves.
+_WIDE_MIN_ROWS = 16
+
+
 def copy_rows(buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor, *, wide_buffer: torch.Tensor | None = None) -> None:
     """``buffer[loc[i]] = rows[i]`` by ``index_copy_``, on rows read as wide elements where both
     sides allow it (bit for bit the same bytes). ``wide_buffer``: ``buffer``'s wide view, if known."""
+    if rows.shape[0] < _WIDE_MIN_ROWS:
+        buffer.index_copy_(0, loc, rows)
+        return
     wide = (_wide_rows(buffer) if wide_buffer is None else wide_buffer), _wide_rows(rows)
     if wide[0] is not None and wide[1] is not None and wide[0].dtype == wide[1].dtype:
         wide[0].index_copy_(0, loc, wide[1])

@@ -15,6 +15,7 @@ Conventions (shared by every backend):
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -251,12 +252,9 @@ def build_metadata(
         loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
     kv_t = torch.tensor(kv, dtype=torch.int32)
     q_t = torch.tensor(q, dtype=torch.int32)
-    cu = torch.zeros(len(kv) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(q_t, 0)
+    cu = torch.tensor([0, *itertools.accumulate(q)], dtype=torch.int32)
     total = sum(q)
-    req = torch.repeat_interleave(torch.arange(len(kv)), q_t.long())
-    start = (kv_t - q_t).long()
-    positions = start[req] + torch.arange(total) - cu[:-1].long()[req]
+    positions = torch.tensor([p for k, n in zip(kv, q) for p in range(k - n, k)], dtype=torch.int64)
     if loc.numel() != total:
         raise SpecError(f"build_metadata: out_cache_loc has shape ({loc.numel()},), expected ({total},): one slot per new token")
     d_positions, d_loc, d_kv, d_q, d_cu, d_table = _upload([positions, loc, kv_t, q_t, cu, table], device)
@@ -305,12 +303,7 @@ def _table_from_rows(
     for i, (row, n) in enumerate(zip(rows, need)):
         if len(row) < n:
             raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
-    table = torch.zeros((len(kv), width), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        used = row[:width]
-        if used:
-            table[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
-    return table
+    return torch.tensor([row[:width] + [0] * (width - len(row[:width])) for row in rows], dtype=torch.int32).view(len(kv), width)
 
 
 def _table_from_tensor(

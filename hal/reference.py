@@ -260,7 +260,17 @@ def _strided_groups(
     keys = spans[0][2] - spans[0][1]
     if rows < 1 or keys < 1 or any(end - first != keys for _, first, end in spans):
         return None
-    table = block_table[:, : (max(end for _, _, end in spans) - 1) // ps + 1].tolist()
+    columns = (max(end for _, _, end in spans) - 1) // ps + 1
+    if block_table.shape[0] * columns > 1024:
+        # Pages consecutive means the last page read is the first plus the pages between: two
+        # entries per request turn most other batches away before a large table is read whole.
+        requests = torch.tensor([request for request, _, _ in spans])
+        first_pages = block_table[requests, torch.tensor([first // ps for _, first, _ in spans])].tolist()
+        last_pages = block_table[requests, torch.tensor([(end - 1) // ps for _, _, end in spans])].tolist()
+        if any(last - first != (end - 1) // ps - begin // ps
+               for first, last, (_, begin, end) in zip(first_pages, last_pages, spans)):
+            return None
+    table = block_table[:, :columns].tolist()
     starts, views = [], []
     for request, first, end in spans:
         pages = table[request][first // ps : (end - 1) // ps + 1]
@@ -408,16 +418,12 @@ def _attend_group(
     qt = q[group.q_rows] if isinstance(group.q_rows, slice) else q.index_select(0, group.q_rows)
     qt = qt.float() * scaling  # [n * rows, Hq, Dk]
     fused_tile = sinks is None and dk == dv and rows >= FUSED_MIN_ROWS
-    flash = _flash_strided(qt, k_cache, v_cache, group, sinks)
-    if flash is not None:
-        return _rows_of(flash, group.zero_rows)
-    strided = _strided_views(k_cache, v_cache, group)
+    strided = _strided_views(k_cache, v_cache, group, dk)
     if strided is not None:
         keys, values = strided
         mask = group.strided_blocked
     elif group.views is not None and not group.causal_square and (group.page_ids is None or not fused_tile):
-        ctx = _attend_in_place(qt, k_cache, v_cache, group, sinks)
-        return _rows_of(ctx, group.zero_rows)
+        return _rows_of(_attend_in_place(qt, k_cache, v_cache, group, sinks), group.zero_rows)
     else:
         assert group.page_ids is not None  # a group without page ids is read in place
         keys_per_tile = group.pages * v_cache.shape[1]
@@ -436,12 +442,12 @@ def _attend_group(
         # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompt
         # tiles). GQA as hal defines it: query head h reads kv head h // G.
         ctx = torch.nn.functional.scaled_dot_product_attention(
-            qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values[..., :dv].transpose(1, 2),
             attn_mask=None if mask is None else mask.view(-1, 1, rows, keys.shape[1]).logical_not(), scale=1.0,
             enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
     else:
-        ctx = _explicit_attention(qt, keys, values, mask, sinks)
+        ctx = _attention(qt, keys, values, mask, sinks, dv)
     return _rows_of(ctx, group.zero_rows)
 
 
@@ -476,12 +482,55 @@ def _explicit_attention(
     return _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, num_keys), values.permute(0, 2, 1, 3)).view(n, hkv, g, rows, dv)
 
 
+def _attention(
+    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None, sinks: torch.Tensor | None, dv: int
+) -> torch.Tensor:
+    """``[n, Hkv, G, rows, Dv]`` of fp32 ``keys``/``values`` (``values`` at least ``dv`` wide):
+    torch's CPU flash kernel where V is as wide as K, the explicit matmuls otherwise."""
+    if _FLASH_CPU is not None and values.shape[3] == keys.shape[3]:
+        return _flash(qt, keys, values, blocked, sinks, dv)
+    return _explicit_attention(qt, keys, values[..., :dv], blocked, sinks)
+
+
+# torch's CPU flash attention, which also returns each row's log-sum-exp (for the sink); absent
+# from a torch build without it, where the explicit matmuls serve instead.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash(
+    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None, sinks: torch.Tensor | None, dv: int
+) -> torch.Tensor:
+    """``_explicit_attention`` by torch's CPU flash kernel, which takes equal qk and v head dims: V
+    may be read wider than ``dv`` (a view running into the next head's or slot's values); output
+    column ``c`` weighs V's column ``c`` alone, so the extra columns are dropped unread by anything
+    else. A query head group rides as extra query rows; the sink is one more term of each row's
+    softmax denominator: ``out * sigmoid(lse - sink)``."""
+    n, num_keys, hkv, dk = keys.shape
+    hq = qt.shape[1]
+    g, rows = hq // hkv, qt.shape[0] // n
+    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
+    mask = None
+    if blocked is not None:  # [n or 1, 1, 1, rows, keys] -> additive, one row per query head and row
+        hidden = blocked.expand(-1, 1, g, rows, -1).reshape(-1, 1, g * rows, num_keys)
+        mask = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
+    assert _FLASH_CPU is not None
+    out, lse = _FLASH_CPU(qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=1.0)
+    ctx = out[..., :dv]
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, g, 1).expand(n, hkv, g, rows).reshape(n, hkv, g * rows)
+        ctx = ctx * torch.sigmoid(lse - sink)[..., None]
+    return ctx.reshape(n, hkv, g, rows, dv)
+
+
 def _strided_views(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup
+    k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, qk_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The group's tiles as fp32 views ``[n, keys, Hkv, d]`` of K and V (see ``TileGroup.strided``),
-    or None when it has none or a cache's slots are not evenly spaced across its pages."""
-    k, v = _strided_view(k_cache, group), _strided_view(v_cache, group)
+    or None when it has none or a cache's slots are not evenly spaced across its pages. V is read
+    ``qk_dim`` wide where that stays inside its storage, for the flash kernel (see ``_flash``)."""
+    k = _strided_view(k_cache, group)
+    v = _strided_view(v_cache, group, width=max(qk_dim, v_cache.shape[3])) if _FLASH_CPU is not None else None
+    v = _strided_view(v_cache, group) if v is None else v
     return None if k is None or v is None else (k.float(), v.float())
 
 
@@ -503,42 +552,6 @@ def _strided_view(cache: torch.Tensor, group: TileGroup, width: int | None = Non
     return cache.as_strided((group.tiles, keys, cache.shape[2], width), (stride * slot, slot, head, 1), offset)
 
 
-# torch's CPU flash attention, which also returns each row's log-sum-exp (for the sink); absent
-# from a torch build without it, where the explicit matmuls serve instead.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _flash_strided(
-    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
-) -> torch.Tensor | None:
-    """``[n, Hkv, G, rows, Dv]`` of a strided group by torch's CPU flash attention over the cache
-    in place, or None where it does not apply (a cache not fp32, qk head dim below v's). Strided
-    groups come from plans made ``in_place``, whose tensors live on the host.
-
-    The flash kernel needs equal head dims: V is read ``Dk`` wide, its extra columns running into
-    the next head's (or slot's) values; output column ``c`` weighs only V's column ``c``, so the
-    extra columns are dropped unread by anything else. A sink is one more term of each row's
-    softmax denominator: ``out * sigmoid(lse - sink)``."""
-    hq, dk = qt.shape[1], qt.shape[2]
-    hkv, dv = v_cache.shape[2], v_cache.shape[3]
-    if _FLASH_CPU is None or group.strided is None or dk < dv or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        return None
-    keys, values = _strided_view(k_cache, group), _strided_view(v_cache, group, width=dk)
-    if keys is None or values is None:
-        return None
-    n, rows, g = group.tiles, group.rows, hq // hkv
-    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
-    mask = None
-    if group.strided_blocked is not None:  # [1 or n, 1, 1, rows, keys] -> additive, per query head row
-        blocked = group.strided_blocked.expand(-1, 1, g, rows, -1).reshape(-1, 1, g * rows, keys.shape[1])
-        mask = torch.zeros(blocked.shape, dtype=torch.float32, device=blocked.device).masked_fill_(blocked, float("-inf"))
-    out, lse = _FLASH_CPU(qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=1.0)
-    ctx = out[..., :dv]
-    if sinks is not None:
-        ctx = ctx * torch.sigmoid(lse - sinks.float().view(1, hkv, g, 1).expand(n, hkv, g, rows).reshape(n, hkv, g * rows))[..., None]
-    return ctx.reshape(n, hkv, g, rows, dv)
-
-
 def _attend_in_place(
     qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
 ) -> torch.Tensor:
@@ -553,7 +566,7 @@ def _attend_in_place(
         v = v_cache[first_page : first_page + pages].reshape(pages * ps, hkv, -1)[first:end].float()
         # a strided group's mask is over exactly [first, end) of every tile
         mask = group.strided_blocked if group.blocked is None else group.blocked[i : i + 1, :, :, :, first:end]
-        tiles.append(_explicit_attention(qt[i * rows : (i + 1) * rows], k[None], v[None], mask, sinks))
+        tiles.append(_attention(qt[i * rows : (i + 1) * rows], k[None], v[None], mask, sinks, v.shape[2]))
     return torch.cat(tiles)
 
 

@@ -97,6 +97,8 @@ def strict_ints(values: Any, what: str) -> tuple[int, ...]:
         return tuple(int(v) for v in values.reshape(-1).tolist())
     if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
         return tuple(values)  # the common case, checked at a glance (bools are not of type int)
+    if isinstance(values, range):
+        return tuple(values)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise SpecError(f"{what} must be a sequence of ints, got {values!r} ({type(values).__name__})")
     return tuple(strict_int(v, f"{what}[{i}]") for i, v in enumerate(values))

@@ -203,15 +203,15 @@ class TargetEngine:
 
     def _metadata(self, mode: ForwardMode, requests: Sequence[Request], q_lens: Sequence[int]) -> AttentionMetadata:
         """Metadata for ``q_lens[b]`` new tokens of each request after its committed ones."""
-        for r, q in zip(requests, q_lens):
-            self.page_table.reserve(r.rid, r.committed + q)
-        locs = [self.page_table.slots(r.rid, range(r.committed, r.committed + q)) for r, q in zip(requests, q_lens)]
+        kv_lens = [r.committed + q for r, q in zip(requests, q_lens)]
+        for r, kv in zip(requests, kv_lens):
+            self.page_table.reserve(r.rid, kv)
         return hal.build_metadata(
             mode,
-            kv_lens=[r.committed + q for r, q in zip(requests, q_lens)],
+            kv_lens=kv_lens,
             q_lens=q_lens,
             page_table=self.page_table.table([r.rid for r in requests]),
-            out_cache_loc=torch.cat(locs),
+            out_cache_loc=self.page_table.slot_list([(r.rid, r.committed, kv) for r, kv in zip(requests, kv_lens)]),
             pool=self.target_pool,
         )
 

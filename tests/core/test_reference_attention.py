@@ -189,8 +189,9 @@ def test_reference_matches_dense_oracle(case) -> None:
 @pytest.mark.parametrize("mode", [M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2])
 @pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (None, True, False), (3, False, False), (3, True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_mode_and_feature_matches_dense_oracle(mode, window, sinks, hybrid, dtype) -> None:
-    layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)  # GQA, qk != v
+@pytest.mark.parametrize("v_dim", [12, 8])  # qk != v: explicit matmuls; qk == v: torch's flash kernel
+def test_every_mode_and_feature_matches_dense_oracle(mode, window, sinks, hybrid, dtype, v_dim) -> None:
+    layer = LayerSpec(1, 4, 2, 8, v_dim, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)  # GQA
     q_len = {M.EXTEND: None, M.DECODE: 1, M.TARGET_VERIFY: 4, M.DRAFT_EXTEND_V2: 4}[mode]
     kv = [19, 4, 9]
     q = [7, 4, 9] if q_len is None else [q_len] * 3  # EXTEND: chunk on a prefix, a full prefill, another
@@ -241,15 +242,15 @@ def test_equal_requests_on_evenly_spaced_pages_are_one_strided_view(mode, window
                                                                     monkeypatch) -> None:
     """Requests of equal length whose consecutive pages start evenly spaced (admitted together)
     are attended as one strided view of the cache, in one batch (or one request per group under
-    a budget of one byte): through torch's flash kernel where the cache is fp32 and the qk head
-    dim is at least v's, else the explicit matmuls. Both equal the dense oracle."""
+    a budget of one byte): through torch's flash kernel where the qk head dim is at least v's (V
+    read qk-wide), else the explicit matmuls. Both equal the dense oracle."""
     if group_bytes is not None:
         monkeypatch.setattr(reference_attention, "STRIDED_GROUP_BYTES", group_bytes)
     views, flash = [], []
-    view, flash_strided = reference_attention._strided_view, reference_attention._flash_strided
+    view, attention = reference_attention._strided_view, reference_attention._attention
     monkeypatch.setattr(reference_attention, "_strided_view", lambda *a, **k: views.append(a[1].tiles) or view(*a, **k))
-    monkeypatch.setattr(reference_attention, "_flash_strided",
-                        lambda *a: (lambda out: flash.append(out is not None) or out)(flash_strided(*a)))
+    monkeypatch.setattr(reference_attention, "_attention",
+                        lambda qt, keys, values, *a: flash.append(values.shape[3] == keys.shape[3]) or attention(qt, keys, values, *a))
     layer = LayerSpec(1, 4, 2, 8, v_dim, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
     q_len = {M.DECODE: 1, M.TARGET_VERIFY: 4, M.DRAFT_EXTEND_V2: 4}[mode]
     out, expect = run_reference(mode, layer, [10, 10, 10], [q_len] * 3, page_size=4, dtype=dtype, seed=9, hybrid=hybrid,
@@ -257,7 +258,7 @@ def test_equal_requests_on_evenly_spaced_pages_are_one_strided_view(mode, window
     assert_close(out, expect, dtype)
     per_group = [3] if group_bytes is None else [1, 1, 1]
     assert views == [t for t in per_group for _ in range(2)]  # K and V of each group, read in place
-    assert flash == [dtype == torch.float32 and v_dim <= 8] * len(per_group)
+    assert flash == [v_dim <= 8] * len(per_group)
 
 
 @st.composite
