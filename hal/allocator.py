@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -18,11 +19,13 @@ def _page_count(n: object) -> int:
 
 
 class PageAllocator:
-    """Free list of pages ``1..num_pages`` (page 0 is the padding page, never handed out)."""
+    """Free pages ``1..num_pages`` (page 0 is the padding page, never handed out), handed out lowest
+    first whatever order they were freed in: requests admitted together into a drained pool get
+    consecutive pages, which a kernel can read in place instead of gathering them."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self._free = list(range(num_pages, 0, -1))  # pop() hands out low pages first
+        self._free = list(range(1, num_pages + 1))  # a heap: heappop hands out the lowest page
         self._used: set[int] = set()
 
     @property
@@ -35,7 +38,7 @@ class PageAllocator:
         n = _page_count(n)
         if n > len(self._free):
             raise OutOfPagesError(f"alloc: asked for {n} pages, {len(self._free)} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         self._used.update(pages)
         return pages
 
@@ -46,7 +49,8 @@ class PageAllocator:
         if bad or len(set(pages)) != len(pages):
             raise CacheLocationError(f"free: pages {bad or pages} are not allocated (double free?)")
         self._used.difference_update(pages)
-        self._free.extend(sorted(pages, reverse=True))
+        for page in pages:
+            heapq.heappush(self._free, page)
 
 
 class KVAllocator:

@@ -46,10 +46,19 @@ class PageTableMachine(RuleBasedStateMachine):
                 self.table.reserve(request, tokens)
             assert self.allocator.num_free_pages == free_before  # nothing half-allocated
             return
+        free = sorted(set(range(1, self.spec.num_pages + 1)) - set(self.live_pages()))
+        swa_free = None
+        if self.pool.full_to_swa_page is not None:
+            mapping = self.pool.full_to_swa_page.tolist()
+            swa_free = sorted(set(range(1, self.spec.swa_num_pages + 1)) - {mapping[p] for p in self.live_pages()})
         self.table.reserve(request, tokens)
         new = self.table.pages(request)[len(have) :]
         assert len(new) == need
         assert not set(new) & set(self.live_pages()), "a live page was handed out again"
+        # The lowest free pages in order, however pages were freed: a drained pool hands out runs.
+        assert new == free[:need]
+        if swa_free is not None:
+            assert [int(self.pool.full_to_swa_page[p]) for p in new] == swa_free[:need]
         self.model[request] = have + new
         assert self.table.capacity(request) >= tokens
 
@@ -125,7 +134,9 @@ def test_page_allocator_hands_out_low_pages_and_never_page_zero() -> None:
     assert alloc.alloc(3) == [1, 2, 3]
     alloc.free([2])
     assert alloc.num_free == 2
-    assert sorted(alloc.alloc(2)) == [2, 4]
+    assert alloc.alloc(2) == [2, 4]
+    alloc.free([3, 1, 2])  # freed in any order, handed out lowest first
+    assert alloc.alloc(3) == [1, 2, 3]
     with pytest.raises(OutOfPagesError, match="asked for 1 pages, 0 of 4 free"):
         alloc.alloc(1)
 
