@@ -96,6 +96,9 @@ class TileGroup:
     # tiles are then one strided view, attended in one batch.
     strided: tuple[int, int, int] | None = None
     strided_blocked: torch.Tensor | None = None
+    # The strided mask as the flash kernel takes it (additive, a row per query head and row), by
+    # query heads per kv head: made by the first layer of a forward, reused by the others.
+    flash_masks: dict[int, torch.Tensor] = attrs.field(factory=dict, repr=False)
 
 
 @attrs.frozen(eq=False)
@@ -246,56 +249,64 @@ def _strided_groups(
     token_bytes: int,
 ) -> list[TileGroup] | None:
     """Groups reading a batch as one strided view of the cache, or None when it is not one: every
-    request one tile of equal rows and equal keys read, its pages consecutive in the pool, the
-    requests' first read slots evenly spaced (requests admitted together, their pages reserved at
-    once). The common decode, verify and draft step; planned from the host block table's few
-    entries, with one mask shared by every tile (none in decode)."""
+    request one tile of equal rows, the keys it reads on consecutive pages, and the requests'
+    position-0 slots (slot of position ``p`` = offset + ``p``) evenly spaced: requests admitted
+    together, their pages reserved at once. The common decode, verify and draft step. Every tile
+    reads the batch's common window of positions (at most twice the keys the tiles see), with
+    a mask hiding what a row does not see; one shared mask, or none, where the tiles are alike.
+    Planned from the host block table's few entries."""
     rows = tiles[0][2]
-    spans = []  # (request, first key read, end key)
+    spans = []  # (request, first position read, end position, first row's position)
     for request, _, n, pos, _, _ in tiles:
         first = 0 if sliding_window is None else max(0, pos - sliding_window)
-        spans.append((request, first, min(kv_lens[request], pos + n)))
+        spans.append((request, first, min(kv_lens[request], pos + n), pos))
         if n != rows:
             return None
-    keys = spans[0][2] - spans[0][1]
-    if rows < 1 or keys < 1 or any(end - first != keys for _, first, end in spans):
+    lo, hi = min(s[1] for s in spans), max(s[2] for s in spans)
+    keys = hi - lo
+    if rows < 1 or keys < 1 or len(spans) * keys > 2 * sum(end - first for _, first, end, _ in spans):
         return None
-    columns = (max(end for _, _, end in spans) - 1) // ps + 1
+    columns = (hi - 1) // ps + 1
     if block_table.shape[0] * columns > 1024:
         # Pages consecutive means the last page read is the first plus the pages between: two
         # entries per request turn most other batches away before a large table is read whole.
-        requests = torch.tensor([request for request, _, _ in spans])
-        first_pages = block_table[requests, torch.tensor([first // ps for _, first, _ in spans])].tolist()
-        last_pages = block_table[requests, torch.tensor([(end - 1) // ps for _, _, end in spans])].tolist()
+        requests = torch.tensor([s[0] for s in spans])
+        first_pages = block_table[requests, torch.tensor([s[1] // ps for s in spans])].tolist()
+        last_pages = block_table[requests, torch.tensor([(s[2] - 1) // ps for s in spans])].tolist()
         if any(last - first != (end - 1) // ps - begin // ps
-               for first, last, (_, begin, end) in zip(first_pages, last_pages, spans)):
+               for first, last, (_, begin, end, _) in zip(first_pages, last_pages, spans)):
             return None
     table = block_table[:, :columns].tolist()
-    starts, views = [], []
-    for request, first, end in spans:
+    offsets, views = [], []
+    for request, first, end, _ in spans:
         pages = table[request][first // ps : (end - 1) // ps + 1]
         if pages != list(range(pages[0], pages[0] + len(pages))):
             return None
-        starts.append(pages[0] * ps + first % ps)
-        views.append((pages[0], len(pages), first % ps, first % ps + keys))
-    stride = starts[1] - starts[0] if len(starts) > 1 else 0
-    if stride < 0 or any(b - a != stride for a, b in zip(starts, starts[1:])):
+        offsets.append((pages[0] - first // ps) * ps)
+        views.append((pages[0], len(pages), first % ps, first % ps + end - first))
+    stride = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    if stride < 0 or offsets[0] + lo < 0 or any(b - a != stride for a, b in zip(offsets, offsets[1:])):
         return None
     mask = None
-    if rows > 1:  # row i reads up to its own key, keys - rows + i, and on a window layer from W before it
-        own = torch.arange(keys - rows, keys)[:, None]
-        key = torch.arange(keys)[None, :]
-        hidden = key > own
+    if rows > 1 or any(first != lo or end != hi for _, first, end, _ in spans):
+        # row i of a tile sits at its position pos + i: it sees keys up to there, and on a window
+        # layer from W before it; the window's other keys (other tiles' reach) are hidden too
+        own = torch.tensor([pos for *_, pos in spans])[:, None] + torch.arange(rows)[None, :]  # [n, rows]
+        key = lo + torch.arange(keys)
+        hidden = key[None, None, :] > own[:, :, None]
         if sliding_window is not None:
-            hidden |= key < own - sliding_window
-        mask = hidden.view(1, 1, 1, rows, keys).to(block_table.device)
+            hidden |= key[None, None, :] < own[:, :, None] - sliding_window
+        if bool(hidden.any()):
+            alike = len({pos for *_, pos in spans}) == 1
+            mask = (hidden[:1] if alike else hidden).view(1 if alike else len(spans), 1, 1, rows, keys).to(block_table.device)
     per_group = max(1, STRIDED_GROUP_BYTES // max(1, keys * token_bytes))
-    return [
-        TileGroup(len(views[i : i + per_group]), rows, max(v[1] for v in views[i : i + per_group]), None, None,
-                  slice(i * rows, (i + len(views[i : i + per_group])) * rows), None, None,
-                  views=tuple(views[i : i + per_group]), strided=(starts[i], stride, keys), strided_blocked=mask)
-        for i in range(0, len(views), per_group)
-    ]
+    groups = []
+    for i in range(0, len(views), per_group):
+        part = views[i : i + per_group]
+        part_mask = mask if mask is None or mask.shape[0] == 1 else mask[i : i + per_group]
+        groups.append(TileGroup(len(part), rows, max(v[1] for v in part), None, None, slice(i * rows, (i + len(part)) * rows),
+                                None, None, views=tuple(part), strided=(offsets[i] + lo, stride, keys), strided_blocked=part_mask))
+    return groups
 
 
 def _strided_tiles(
@@ -447,7 +458,7 @@ def _attend_group(
             enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
     else:
-        ctx = _attention(qt, keys, values, mask, sinks, dv)
+        ctx = _attention(qt, keys, values, mask, sinks, dv, group.flash_masks if strided is not None else None)
     return _rows_of(ctx, group.zero_rows)
 
 
@@ -483,12 +494,19 @@ def _explicit_attention(
 
 
 def _attention(
-    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None, sinks: torch.Tensor | None, dv: int
+    qt: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocked: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    dv: int,
+    flash_masks: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[n, Hkv, G, rows, Dv]`` of fp32 ``keys``/``values`` (``values`` at least ``dv`` wide):
-    torch's CPU flash kernel where V is as wide as K, the explicit matmuls otherwise."""
+    torch's CPU flash kernel where V is as wide as K (``flash_masks``: where it keeps ``blocked``
+    in its form across layers), the explicit matmuls otherwise."""
     if _FLASH_CPU is not None and values.shape[3] == keys.shape[3]:
-        return _flash(qt, keys, values, blocked, sinks, dv)
+        return _flash(qt, keys, values, blocked, sinks, dv, flash_masks)
     return _explicit_attention(qt, keys, values[..., :dv], blocked, sinks)
 
 
@@ -498,7 +516,13 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def _flash(
-    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None, sinks: torch.Tensor | None, dv: int
+    qt: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocked: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    dv: int,
+    flash_masks: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``_explicit_attention`` by torch's CPU flash kernel, which takes equal qk and v head dims: V
     may be read wider than ``dv`` (a view running into the next head's or slot's values); output
@@ -509,10 +533,12 @@ def _flash(
     hq = qt.shape[1]
     g, rows = hq // hkv, qt.shape[0] // n
     qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
-    mask = None
-    if blocked is not None:  # [n or 1, 1, 1, rows, keys] -> additive, one row per query head and row
+    mask = None if flash_masks is None else flash_masks.get(g)
+    if blocked is not None and mask is None:  # [n or 1, 1, 1, rows, keys] -> additive, a row per query head and row
         hidden = blocked.expand(-1, 1, g, rows, -1).reshape(-1, 1, g * rows, num_keys)
         mask = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        if flash_masks is not None:
+            flash_masks[g] = mask
     assert _FLASH_CPU is not None
     out, lse = _FLASH_CPU(qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=1.0)
     ctx = out[..., :dv]
@@ -564,8 +590,14 @@ def _attend_in_place(
     for i, (first_page, pages, first, end) in enumerate(group.views):
         k = k_cache[first_page : first_page + pages].reshape(pages * ps, hkv, -1)[first:end].float()
         v = v_cache[first_page : first_page + pages].reshape(pages * ps, hkv, -1)[first:end].float()
-        # a strided group's mask is over exactly [first, end) of every tile
-        mask = group.strided_blocked if group.blocked is None else group.blocked[i : i + 1, :, :, :, first:end]
+        if group.blocked is None:  # a strided group: its mask spans the window every tile reads
+            assert group.strided is not None
+            start, stride, _ = group.strided
+            at = first_page * ps + first - (start + i * stride)  # this tile's first key in the window
+            shared = group.strided_blocked
+            mask = None if shared is None else shared[min(i, shared.shape[0] - 1)][None, ..., at : at + end - first]
+        else:
+            mask = group.blocked[i : i + 1, :, :, :, first:end]
         tiles.append(_attention(qt[i * rows : (i + 1) * rows], k[None], v[None], mask, sinks, v.shape[2]))
     return torch.cat(tiles)
 

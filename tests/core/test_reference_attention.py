@@ -73,14 +73,17 @@ def run_reference(
     hybrid: bool = False,
     save_kv_cache: bool = True,
     contiguous: bool = False,
+    reserved_pages: int | None = None,
 ):
     """Run CpuAttention on a garbage-filled pool holding per-request dense K/V; return (out, oracle).
     Pages are handed out in a shuffled order, or in order (``contiguous``: each request's pages,
-    and on a hybrid pool their SWA pages, consecutive)."""
+    and on a hybrid pool their SWA pages, consecutive; ``reserved_pages``: each request's run
+    starts that many pages after the previous one's, as an engine reserving equal needs lays them)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     ps = page_size
-    num_pages = sum(-(-n // ps) for n in kv_lens) + 2
+    reserved = [reserved_pages or -(-n // ps) for n in kv_lens]
+    num_pages = sum(reserved) + 2
     heads, dk, dv = layer.num_kv_heads, layer.head_dim, layer.v_head_dim
     num_layers = layer.layer_id + 2
     if hybrid:
@@ -97,9 +100,9 @@ def run_reference(
     if not contiguous:
         rng.shuffle(order)
     rows, at = [], 0
-    for n in kv_lens:
+    for n, taken in zip(kv_lens, reserved):
         rows.append(order[at : at + -(-n // ps)])
-        at += -(-n // ps)
+        at += taken
     if hybrid:
         swa_pages = list(range(1, num_pages + 1)) if contiguous else rng.sample(range(1, spec.swa_num_pages + 1), num_pages)
         pool.map_swa_pages(torch.tensor(order), torch.tensor(swa_pages))
@@ -261,20 +264,42 @@ def test_equal_requests_on_evenly_spaced_pages_are_one_strided_view(mode, window
     assert flash == [v_dim <= 8] * len(per_group)
 
 
+@pytest.mark.parametrize("mode, q_len, kv", [(M.DECODE, 1, [10, 13, 9]), (M.TARGET_VERIFY, 4, [10, 12, 9]),
+                                            (M.DRAFT_EXTEND_V2, 4, [14, 11, 12])])
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, True, False), (3, True, True), (None, False, False)])
+@pytest.mark.parametrize("v_dim", [4, 12])
+def test_unequal_requests_on_evenly_spaced_reservations_are_one_strided_view(mode, q_len, kv, window, sinks, hybrid, v_dim,
+                                                                            monkeypatch) -> None:
+    """Requests whose lengths differ (accept lengths after a verify, say) but whose reservations
+    start evenly spaced read one common window of positions as one strided view, each row masked
+    to what it sees; it equals the dense oracle."""
+    views = []
+    view = reference_attention._strided_view
+    monkeypatch.setattr(reference_attention, "_strided_view", lambda *a, **k: views.append(a[1].tiles) or view(*a, **k))
+    layer = LayerSpec(1, 4, 2, 8, v_dim, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    out, expect = run_reference(mode, layer, kv, [q_len] * 3, page_size=4, dtype=torch.float32, seed=17, hybrid=hybrid,
+                                contiguous=True, reserved_pages=5)
+    assert_close(out, expect, torch.float32)
+    assert views and set(views) == {3}
+
+
 @st.composite
 def strided_cases(draw):
-    """Equal requests on consecutive pages: the batches the strided plan serves."""
+    """Requests on consecutive pages, their runs evenly spaced: the batches the strided plan serves."""
     mode = draw(st.sampled_from([M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]))
     q_len = 1 if mode is M.DECODE else draw(st.integers(1, 6))
     b, ps = draw(st.integers(1, 4)), draw(st.sampled_from([1, 2, 4, 8]))
-    kv = draw(st.integers(q_len, 30)) if mode is not M.EXTEND else q_len + draw(st.integers(0, 20))
+    if mode is M.EXTEND:
+        kv = [q_len + draw(st.integers(0, 20))] * b
+    else:
+        kv = draw(st.lists(st.integers(q_len, 30), min_size=b, max_size=b))
     window = draw(st.one_of(st.none(), st.integers(0, 8)))
     hkv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
     layer = LayerSpec(1, hkv * group, hkv, 8, draw(st.sampled_from([4, 8, 12])), scaling=draw(st.floats(0.05, 1.0)),
                       sliding_window=window, has_sinks=draw(st.booleans()))
-    return dict(mode=mode, layer=layer, kv_lens=[kv] * b, q_lens=[q_len] * b, page_size=ps,
+    return dict(mode=mode, layer=layer, kv_lens=kv, q_lens=[q_len] * b, page_size=ps,
                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 2**31 - 1)),
-                hybrid=window is not None and draw(st.booleans()), contiguous=True)
+                hybrid=window is not None and draw(st.booleans()), contiguous=True, reserved_pages=-(-max(kv) // ps))
 
 
 @EXPENSIVE
@@ -290,14 +315,15 @@ def test_strided_plan_matches_dense_oracle(case, group_bytes) -> None:
 
 
 @pytest.mark.parametrize("q_len, window, sinks", [(1, None, True), (4, 3, True), (4, None, False)])
-def test_a_cache_with_gaps_between_pages_is_read_tile_by_tile(q_len, window, sinks, monkeypatch) -> None:
+@pytest.mark.parametrize("kv_lens", [[10, 10, 10], [10, 12, 9]])
+def test_a_cache_with_gaps_between_pages_is_read_tile_by_tile(q_len, window, sinks, kv_lens, monkeypatch) -> None:
     """A strided plan over a cache whose pages are not evenly spaced slots (a view of every other
     slot block) is read one tile at a time instead, through the same shared mask."""
     in_place = []
     original = reference_attention._attend_in_place
     monkeypatch.setattr(reference_attention, "_attend_in_place", lambda *a: in_place.append(a[3].tiles) or original(*a))
     gen = torch.Generator().manual_seed(4)
-    ps, hkv, dk, dv, kv, b = 4, 2, 8, 12, 10, 3
+    ps, hkv, dk, dv, b = 4, 2, 8, 12, 3
     layer = LayerSpec(0, 4, hkv, dk, dv, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
     k_cache = torch.randn(12, 2 * ps, hkv, dk, generator=gen)[:, :ps]  # page stride of 2 * ps slots
     v_cache = torch.randn(12, 2 * ps, hkv, dv, generator=gen)[:, :ps]
@@ -305,13 +331,13 @@ def test_a_cache_with_gaps_between_pages_is_read_tile_by_tile(q_len, window, sin
     q = torch.randn(b * q_len, 4, dk, generator=gen)
     sink_logits = torch.randn(4, generator=gen) if sinks else None
     cu = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32)
-    plan = reference_attention.plan_attention([kv] * b, [q_len] * b, table, ps, sliding_window=window,
+    plan = reference_attention.plan_attention(kv_lens, [q_len] * b, table, ps, sliding_window=window,
                                               token_bytes=hkv * (dk + dv) * 4, in_place=True)
     assert [g.strided is not None for g in plan.groups] == [True]
-    out = paged_attention(q, k_cache, v_cache, table, torch.full((b,), kv, dtype=torch.int32), cu, scaling=layer.scaling,
+    out = paged_attention(q, k_cache, v_cache, table, torch.tensor(kv_lens, dtype=torch.int32), cu, scaling=layer.scaling,
                           sliding_window=window, sinks=sink_logits, plan=plan)
-    keys = [k_cache[table[r].long()].reshape(-1, hkv, dk)[:kv] for r in range(b)]
-    values = [v_cache[table[r].long()].reshape(-1, hkv, dv)[:kv] for r in range(b)]
+    keys = [k_cache[table[r].long()].reshape(-1, hkv, dk)[: kv_lens[r]] for r in range(b)]
+    values = [v_cache[table[r].long()].reshape(-1, hkv, dv)[: kv_lens[r]] for r in range(b)]
     torch.testing.assert_close(out.double(), dense_oracle(q, keys, values, [q_len] * b, layer, sink_logits), atol=1e-5, rtol=1e-5)
     assert in_place == [3]
 
