@@ -493,6 +493,11 @@ def _explicit_attention(
     return _per_kv_head_matmul(weights.reshape(n, hkv, g * rows, num_keys), values.permute(0, 2, 1, 3)).view(n, hkv, g, rows, dv)
 
 
+# torch's CPU flash attention, which also returns each row's log-sum-exp (for the sink); absent
+# from a torch build without it, where the explicit matmuls serve instead.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _attention(
     qt: torch.Tensor,
     keys: torch.Tensor,
@@ -502,33 +507,15 @@ def _attention(
     dv: int,
     flash_masks: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``[n, Hkv, G, rows, Dv]`` of fp32 ``keys``/``values`` (``values`` at least ``dv`` wide):
-    torch's CPU flash kernel where V is as wide as K (``flash_masks``: where it keeps ``blocked``
-    in its form across layers), the explicit matmuls otherwise."""
-    if _FLASH_CPU is not None and values.shape[3] == keys.shape[3]:
-        return _flash(qt, keys, values, blocked, sinks, dv, flash_masks)
-    return _explicit_attention(qt, keys, values[..., :dv], blocked, sinks)
-
-
-# torch's CPU flash attention, which also returns each row's log-sum-exp (for the sink); absent
-# from a torch build without it, where the explicit matmuls serve instead.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _flash(
-    qt: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    blocked: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    dv: int,
-    flash_masks: dict[int, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """``_explicit_attention`` by torch's CPU flash kernel, which takes equal qk and v head dims: V
-    may be read wider than ``dv`` (a view running into the next head's or slot's values); output
-    column ``c`` weighs V's column ``c`` alone, so the extra columns are dropped unread by anything
-    else. A query head group rides as extra query rows; the sink is one more term of each row's
-    softmax denominator: ``out * sigmoid(lse - sink)``."""
+    """``[n, Hkv, G, rows, Dv]`` of fp32 ``keys``/``values`` (``values`` at least ``dv`` wide): the
+    explicit matmuls, or torch's CPU flash kernel where V is as wide as K (that kernel takes equal
+    qk and v head dims). V may be read wider than ``dv`` (a view running into the next head's or
+    slot's values): output column ``c`` weighs V's column ``c`` alone, so the extra columns are
+    dropped unread by anything else. A query head group rides as extra query rows; the sink is one
+    more term of each row's softmax denominator: ``out * sigmoid(lse - sink)``. ``flash_masks``:
+    where the flash kernel's form of ``blocked`` is kept across the layers of a forward."""
+    if _FLASH_CPU is None or values.shape[3] != keys.shape[3]:
+        return _explicit_attention(qt, keys, values[..., :dv], blocked, sinks)
     n, num_keys, hkv, dk = keys.shape
     hq = qt.shape[1]
     g, rows = hq // hkv, qt.shape[0] // n
@@ -539,7 +526,6 @@ def _flash(
         mask = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
         if flash_masks is not None:
             flash_masks[g] = mask
-    assert _FLASH_CPU is not None
     out, lse = _FLASH_CPU(qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=1.0)
     ctx = out[..., :dv]
     if sinks is not None:
@@ -553,7 +539,7 @@ def _strided_views(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The group's tiles as fp32 views ``[n, keys, Hkv, d]`` of K and V (see ``TileGroup.strided``),
     or None when it has none or a cache's slots are not evenly spaced across its pages. V is read
-    ``qk_dim`` wide where that stays inside its storage, for the flash kernel (see ``_flash``)."""
+    ``qk_dim`` wide where that stays inside its storage, for the flash kernel (see ``_attention``)."""
     k = _strided_view(k_cache, group)
     v = _strided_view(v_cache, group, width=max(qk_dim, v_cache.shape[3])) if _FLASH_CPU is not None else None
     v = _strided_view(v_cache, group) if v is None else v
