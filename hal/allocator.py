@@ -139,14 +139,11 @@ class RequestPageTable:
     def slots(self, request: int, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Full-pool slots of ``positions``; a position beyond the reservation raises ``CacheLocationError``."""
         pos = strict_ints(positions, "slots: positions")
-        pages = self._pages.get(request, [])
-        ps = self.page_size
-        limit = len(pages) * ps
-        if pos and (min(pos) < 0 or max(pos) >= limit):
-            raise CacheLocationError(f"slots: request {request} has {limit} reserved positions, asked for {list(pos)}")
         if len(pos) <= self._HOST_LOOP_MAX:  # a step's few positions: cheaper in Python than as tensor ops
-            return torch.tensor([pages[p // ps] * ps + p % ps for p in pos], dtype=torch.int64)
+            return torch.tensor(self._host_slots(request, pos), dtype=torch.int64)
+        pages = self._checked_pages(request, pos)
         at = torch.tensor(pos, dtype=torch.int64)
+        ps = self.page_size
         return torch.tensor(pages, dtype=torch.int64)[torch.div(at, ps, rounding_mode="floor")] * ps + at % ps
 
     _HOST_LOOP_MAX = 64
@@ -155,15 +152,20 @@ class RequestPageTable:
         """Full-pool slots of positions ``start .. end - 1`` of each ``(request, start, end)``, in
         order, as one list (a step's slots for ``build_metadata``); beyond a reservation raises
         ``CacheLocationError``."""
-        ps, out = self.page_size, []
-        for request, start, end in spans:
-            pages = self._pages.get(request, [])
-            if start < 0 or end > len(pages) * ps:
-                raise CacheLocationError(
-                    f"slots: request {request} has {len(pages) * ps} reserved positions, asked for {start}..{end - 1}"
-                )
-            out += [pages[p // ps] * ps + p % ps for p in range(start, end)]
-        return out
+        return [slot for request, start, end in spans for slot in self._host_slots(request, range(start, end))]
+
+    def _host_slots(self, request: int, positions: Sequence[int]) -> list[int]:
+        """``slots`` of a few positions, computed in Python."""
+        pages, ps = self._checked_pages(request, positions), self.page_size
+        return [pages[p // ps] * ps + p % ps for p in positions]
+
+    def _checked_pages(self, request: int, positions: Sequence[int]) -> list[int]:
+        """The request's pages, once every position is known to lie in them (else ``CacheLocationError``)."""
+        pages = self._pages.get(request, [])
+        limit = len(pages) * self.page_size
+        if positions and (min(positions) < 0 or max(positions) >= limit):
+            raise CacheLocationError(f"slots: request {request} has {limit} reserved positions, asked for {list(positions)}")
+        return pages
 
     def release(self, request: int) -> None:
         """Free all of the request's pages (no-op for an unknown request)."""
