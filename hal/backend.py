@@ -17,11 +17,7 @@ from hal.errors import SpecError, UnsupportedConfigError
 from hal.graph import EagerGraph, GraphBase
 from hal.kv_pool import SplitKVPool, check_pool_size
 from hal.protocols import Availability, AttentionKernel, KVPool
-from hal.spec import KVPoolSpec, LayerSpec
-
-#: KV dtypes ``kv_dtype_for`` tries, in order: the reference's precision first.
-KV_DTYPE_PREFERENCE = (torch.float32, torch.bfloat16)
-
+from hal.spec import FLOAT_DTYPES, KVPoolSpec, LayerSpec
 
 def host_memory_bytes() -> int | None:
     """The host's physical memory in bytes (None where the OS does not say)."""
@@ -54,6 +50,9 @@ class BackendBase:
     #: Dtype engines load model weights in unless told otherwise (what the device computes fastest
     #: without giving up accuracy the reference needs: float32 on the host, bfloat16 on accelerators).
     preferred_dtype: ClassVar[torch.dtype] = torch.float32
+    #: KV dtypes ``kv_dtype_for`` tries after the caller's own, in order (every one in ``FLOAT_DTYPES``):
+    #: the reference's precision first on the host; accelerators put bfloat16 first.
+    kv_dtype_preference: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     #: Whether a replay of ``graph_class`` skips the Python that captured it. False for graphs that
     #: re-run their function (``EagerGraph``): ``hal.GraphRunner`` then runs each batch eagerly at its
     #: real size instead of padding it to a captured one and copying it into static buffers.
@@ -126,15 +125,27 @@ class BackendBase:
                 raise UnsupportedConfigError(f"backend {self.name!r}, layer {layer.layer_id}: {reason}")
 
     def kv_dtype_for(
-        self, layers: Sequence[LayerSpec], page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+        self,
+        layers: Sequence[LayerSpec],
+        page_size: int,
+        *,
+        prefer: torch.dtype | None = None,
+        max_q_len: int = 1,
+        batch_size: int = 1,
     ) -> torch.dtype:
-        """The KV dtype to store ``layers`` in: float32 where the kernel runs every layer in it (the
-        reference's precision), else bfloat16; ``UnsupportedConfigError`` when neither runs them."""
-        for dtype in KV_DTYPE_PREFERENCE:
+        """The KV dtype to store ``layers`` in: ``prefer`` (an engine passes its model's compute dtype,
+        as SGLang's and vLLM's ``kv_cache_dtype="auto"`` do) where the kernel runs every layer in it,
+        else the first of ``kv_dtype_preference`` that it does; ``UnsupportedConfigError`` naming a
+        layer when none runs them all."""
+        if prefer is not None and prefer not in FLOAT_DTYPES:
+            raise SpecError(f"kv_dtype_for: prefer must be one of {[str(d) for d in FLOAT_DTYPES]} or None, got {prefer!r}")
+        candidates = ((prefer,) if prefer is not None else ()) + self.kv_dtype_preference
+        for dtype in candidates:
             if all(self.unsupported_reason(layer, dtype, page_size, max_q_len=max_q_len, batch_size=batch_size) is None
                    for layer in layers):
                 return dtype
-        self.check_layers(layers, KV_DTYPE_PREFERENCE[-1], page_size, max_q_len=max_q_len, batch_size=batch_size)
+        # Named in the backend's own first choice: the reason is then not "wrong dtype" but what else is wrong.
+        self.check_layers(layers, self.kv_dtype_preference[0], page_size, max_q_len=max_q_len, batch_size=batch_size)
         raise AssertionError("unreachable")  # check_layers raised for the layer that fails
 
     def create_graph(self, *, tp_group: Any = None) -> GraphBase:

@@ -154,6 +154,7 @@ class Backend(Protocol):
     collective_backend: ClassVar[str]  # hccl / nccl / gloo
     default_page_size: ClassVar[int]  # KV page size engines use unless told otherwise
     preferred_dtype: ClassVar[torch.dtype]  # weights' dtype engines load in unless told otherwise
+    kv_dtype_preference: ClassVar[tuple[torch.dtype, ...]]  # KV dtypes kv_dtype_for tries, in order
     captures_graphs: ClassVar[bool]  # False: its graphs re-run Python, so runners run batches eagerly
     device: torch.device
 
@@ -192,9 +193,16 @@ class Backend(Protocol):
         ...
 
     def kv_dtype_for(
-        self, layers: Sequence[LayerSpec], page_size: int, *, max_q_len: int = 1, batch_size: int = 1
+        self,
+        layers: Sequence[LayerSpec],
+        page_size: int,
+        *,
+        prefer: torch.dtype | None = None,
+        max_q_len: int = 1,
+        batch_size: int = 1,
     ) -> torch.dtype:
-        """The KV dtype for ``layers``: float32 where the kernel runs them in it, else bfloat16."""
+        """The KV dtype for ``layers``: ``prefer`` where the kernel runs them all in it, else the
+        first of the backend's ``kv_dtype_preference`` that it does."""
         ...
 
     def for_rank(self, local_rank: int) -> Backend:

@@ -108,7 +108,8 @@ def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
     return strict_ints(value, "SWAPoolSpec.layer_ids")
 
 
-def _float_dtype(instance: Any, attribute: attrs.Attribute, value: torch.dtype) -> None:
+def float_dtype(instance: Any, attribute: attrs.Attribute, value: torch.dtype) -> None:
+    """attrs validator: ``value`` is one of ``FLOAT_DTYPES``."""
     if value not in FLOAT_DTYPES:
         raise SpecError(
             f"{type(instance).__name__}.{attribute.name} must be one of "
@@ -191,7 +192,7 @@ class KVPoolSpec:
     kv_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
     v_head_dim: int = attrs.field(validator=_positive)
-    dtype: torch.dtype = attrs.field(default=torch.float32, validator=_float_dtype)
+    dtype: torch.dtype = attrs.field(default=torch.float32, validator=float_dtype)
     swa: SWAPoolSpec | None = attrs.field(default=None)
 
     @size.validator

@@ -112,7 +112,7 @@ class TargetEngine:
     place. The KV pool holds ``max_batch_size`` requests of up to ``max_seq_len`` positions; graphs
     are captured for ``graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
     ``page_size`` defaults to the backend's ``default_page_size``, ``kv_dtype`` to the backend's
-    ``kv_dtype_for`` the model's layers (float32 where its kernel takes it); every layer the engine
+    ``kv_dtype_for`` the model's layers, preferring the model's compute dtype; every layer the engine
     runs is checked against the backend's kernel before anything is allocated, and one it cannot run
     is an ``UnsupportedConfigError`` naming it. ``tp`` (default: the model's ``tp``, else none) is the
     tensor-parallel group: graphs capture after a barrier on it, and every rank acts on rank 0's
@@ -149,8 +149,8 @@ class TargetEngine:
         page_size = self.backend.default_page_size if page_size is None else page_size
         layers = spec.target_layers + self.draft_layers
         bounds = {"max_q_len": max_seq_len, "batch_size": max_batch_size}
-        if kv_dtype is None:  # a dtype the kernel runs every layer in (or UnsupportedConfigError)
-            kv_dtype = self.backend.kv_dtype_for(layers, page_size, **bounds)
+        if kv_dtype is None:  # the model's dtype where the kernel runs every layer in it, else the backend's choice
+            kv_dtype = self.backend.kv_dtype_for(layers, page_size, prefer=spec.dtype, **bounds)
         else:
             self.backend.check_layers(layers, kv_dtype, page_size, **bounds)
         self.model = model.to(self.device).eval()

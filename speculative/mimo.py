@@ -26,7 +26,7 @@ from hal.errors import CheckpointError
 from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo_config import AttentionShape, MiMoConfig
-from hal.speculative.model import MLP, Attend, RMSNorm
+from hal.speculative.model import MLP, Attend, ModelSpec, RMSNorm
 
 Progress = Callable[[int, int], None]
 
@@ -211,7 +211,6 @@ class MiMoV2Flash(nn.Module):
         super().__init__()
         self.source_config, self.tp = config, tp
         self.config = config = config.for_tensor_parallel(tp)
-        self.spec = config.model_spec()
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.layers = nn.ModuleList(
@@ -229,6 +228,11 @@ class MiMoV2Flash(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     # -- the engines' interface -------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        """The engines' view; its dtype is the weights' (the router's float32 aside)."""
+        return self.config.model_spec(self.embed_tokens.weight.dtype)
+
     def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
@@ -238,7 +242,7 @@ class MiMoV2Flash(nn.Module):
     def mtp_hidden(
         self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        return self.mtp[step](self.embed_tokens(input_ids), target_hidden.to(self.lm_head.weight.dtype), positions, attend)
+        return self.mtp[step](self.embed_tokens(input_ids), target_hidden, positions, attend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from hal.distributed import TPGroup
 from hal.errors import CheckpointError, SpecError
@@ -83,8 +84,8 @@ class MiMoConfig:
                     f"config.json: num_attention_heads={shape.num_q_heads} is not a multiple of the {kind} kv heads "
                     f"{shape.num_kv_heads}"
                 )
-        if (any(self.layer_is_swa) or self.num_mtp_layers) and self.sliding_window <= 0:
-            raise CheckpointError(f"config.json: sliding-window and MTP layers need a window, got {self.sliding_window}")
+        if self.sliding_window < 0:  # W = 0 is a window too: each position sees only itself
+            raise CheckpointError(f"config.json: the sliding window must be >= 0 (hal's W), got {self.sliding_window}")
 
     @property
     def num_layers(self) -> int:
@@ -110,11 +111,12 @@ class MiMoConfig:
         """MTP layer ``step``: SWA attention, layer ``step`` of the MTP pool."""
         return _layer_spec(step, self.swa, self.sliding_window)
 
-    def model_spec(self) -> ModelSpec:
-        """What hal's engines read: sizes and every target and MTP layer as a ``LayerSpec``."""
+    def model_spec(self, dtype: torch.dtype = torch.float32) -> ModelSpec:
+        """What hal's engines read: sizes, every target and MTP layer as a ``LayerSpec``, and the
+        compute dtype (the weights', ``dtype``)."""
         return ModelSpec(self.vocab_size, self.hidden_size, self.max_position_embeddings,
                          tuple(self.target_layer_spec(i) for i in range(self.num_layers)),
-                         tuple(self.mtp_layer_spec(k) for k in range(self.num_mtp_layers)))
+                         tuple(self.mtp_layer_spec(k) for k in range(self.num_mtp_layers)), dtype=dtype)
 
     def for_tensor_parallel(self, tp: TPGroup) -> MiMoConfig:
         """This rank's share: q heads and both MLP widths divided by the TP size; kv heads divided,
@@ -372,13 +374,13 @@ class _PublishedForm(_Form):
                 f"({full.head_dim}, {full.v_head_dim}); hal's engines take one pair of head dims"
             )
         mtp_layers = num_mtp_layers if num_mtp_layers is not None else self.get("num_nextn_predict_layers", int, 0)
-        window = self.get("sliding_window_size", int, 0)
-        if (any(is_swa) or mtp_layers) and window <= 0:
-            raise CheckpointError(f"config.json: sliding_window_size={window} must be a positive int with SWA or MTP layers")
+        window = self.get("sliding_window_size", int, None)
+        if (any(is_swa) or mtp_layers) and (window is None or window < 0):
+            raise CheckpointError(f"config.json: sliding_window_size={window} must be an int >= 0 with SWA or MTP layers")
         return MiMoConfig(
             full=full,
             swa=swa,
-            sliding_window=window,
+            sliding_window=window or 0,
             rms_norm_eps=self.get("layernorm_epsilon", float, self.get("rms_norm_eps", float, 1e-5)),
             num_mtp_layers=mtp_layers,
             **self.common(is_swa, is_moe),

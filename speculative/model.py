@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hal.errors import SpecError
-from hal.spec import LayerSpec
+from hal.spec import LayerSpec, float_dtype
 
 # attend(layer, q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], sinks [Hq] | None) -> [T, Hq, Dv]
 Attend = Callable[[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -52,13 +52,18 @@ class ModelSpec:
     every attention layer as a ``LayerSpec``: the target's (``target_layers[i]`` is layer ``i``,
     its ``sliding_window`` saying whether it is a sliding-window layer) and the draft (MTP) blocks'
     (``draft_layers[k]``: block ``k``, layer ``k`` of the draft pool). The engines build their KV
-    pools from these (``KVPoolSpec.for_layers``) and assume nothing else about a layer's shape."""
+    pools from these (``KVPoolSpec.for_layers``) and assume nothing else about a layer's shape.
+
+    ``dtype`` is the compute dtype: what the model's hidden states and logits are in. The engines
+    type every static buffer they feed the model from it (the MTP blocks' hidden-state input among
+    them) and prefer it for the KV cache where the backend's kernel takes it."""
 
     vocab_size: int = attrs.field(validator=_positive)
     hidden_size: int = attrs.field(validator=_positive)
     max_position: int = attrs.field(validator=_positive)
     target_layers: tuple[LayerSpec, ...] = attrs.field(converter=_layer_tuple, validator=_layer_ids_in_order)
     draft_layers: tuple[LayerSpec, ...] = attrs.field(default=(), converter=_layer_tuple, validator=_layer_ids_in_order)
+    dtype: torch.dtype = attrs.field(default=torch.float32, validator=float_dtype, kw_only=True)
 
     @property
     def num_draft_layers(self) -> int:
@@ -70,7 +75,8 @@ class EngineModel(Protocol):
     ``ModelSpec``, the target's last hidden states, MTP layer ``step``'s hidden states, and logits.
     Each layer calls ``attend`` with the ``LayerSpec`` its ``spec`` lists for it."""
 
-    spec: ModelSpec
+    @property
+    def spec(self) -> ModelSpec: ...
 
     def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor: ...
 
@@ -147,10 +153,11 @@ class TinyConfig:
             has_sinks=not full,
         )
 
-    def model_spec(self) -> ModelSpec:
+    def model_spec(self, dtype: torch.dtype = torch.float32) -> ModelSpec:
+        """The engines' view of the model with weights in ``dtype``."""
         return ModelSpec(self.vocab_size, self.hidden_size, self.max_position,
                          tuple(self.target_layer_spec(i) for i in range(self.num_layers)),
-                         tuple(self.mtp_layer_spec(k) for k in range(self.num_mtp_layers)))
+                         tuple(self.mtp_layer_spec(k) for k in range(self.num_mtp_layers)), dtype=dtype)
 
     def mtp_layer_spec(self, step: int) -> LayerSpec:
         """MTP block ``step``'s attention: SWA head config with sinks, layer ``step`` of the MTP pool."""
@@ -280,7 +287,6 @@ class TinyMiMo(nn.Module):
     def __init__(self, config: TinyConfig) -> None:
         super().__init__()
         self.config = config
-        self.spec = config.model_spec()
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, config.target_layer_spec(i)) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
@@ -309,6 +315,11 @@ class TinyMiMo(nn.Module):
                     std *= self.config.attention_output_scale
                 value = torch.randn(p.shape, generator=gen) * std
             p.copy_(value.to(p.device))
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The engines' view; its dtype is the weights' (whatever ``to(dtype)`` last made them)."""
+        return self.config.model_spec(self.embed.weight.dtype)
 
     def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         x = self.embed(input_ids)

@@ -65,7 +65,7 @@ class MultiLayerEagleWorker(TargetEngine):
                 self.mtp_attention,
                 ForwardMode.DRAFT_EXTEND_V2,
                 rows,
-                {"input_ids": ((), torch.int64), "hidden": ((self.spec.hidden_size,), torch.float32)},
+                {"input_ids": ((), torch.int64), "hidden": ((self.spec.hidden_size,), self.spec.dtype)},
             )
             for k in range(num_steps)
         ]

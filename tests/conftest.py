@@ -1,4 +1,10 @@
-"""Hypothesis profiles for the whole suite.
+"""Process-wide choices for the whole suite, made once before any test module is collected, and
+hypothesis profiles.
+
+- Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``): ``@triton.jit`` reads it when a
+  kernel module is imported, and transformers imports triton on its own, so whichever test ran
+  first would otherwise decide whether the cuda backend's emulation can run at all. Tests of what
+  happens without it start a clean subprocess.
 
 - ``ci`` (chosen when the ``CI`` environment variable is set): derandomized, so a CI failure
   reproduces locally with ``CI=1``; no deadline (torch's first calls are slow and timing is
@@ -19,6 +25,8 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, settings
+
+os.environ["TRITON_INTERPRET"] = "1"
 
 IN_CI = bool(os.environ.get("CI"))
 

@@ -46,6 +46,7 @@ class CudaBackend(BackendBase):
     collective_backend = "nccl"
     auto_priority = 200
     preferred_dtype = torch.bfloat16
+    kv_dtype_preference = (torch.bfloat16, torch.float16, torch.float32)
     kv_pool_class = CudaKVPool
     attention_class = CudaAttention
     graph_class = CudaGraph

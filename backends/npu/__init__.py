@@ -38,6 +38,7 @@ class NpuBackend(BackendBase):
     auto_priority = 300
     default_page_size = 128
     preferred_dtype = torch.bfloat16
+    kv_dtype_preference = (torch.bfloat16, torch.float16, torch.float32)
     kv_pool_class = NpuKVPool
     attention_class = NpuAttention
     graph_class = NpuGraph

@@ -69,9 +69,12 @@ def dtype_option(name: str) -> Any:
 
 
 def _kv_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="dtype the weights load in; auto = the backend's preferred one (float32 on cpu, bfloat16 on npu and cuda)")
     parser.add_argument("--page-size", type=positive_int, default=None, help="KV page size (default: the backend's default_page_size)")
     parser.add_argument("--kv-dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="KV cache dtype; auto = the backend's choice for the model's layers (float32 where its kernel takes it, else bfloat16)")
+                        help="KV cache dtype; auto = the weights' dtype where the backend's kernel takes it, "
+                             "else the backend's first that it takes (bfloat16 on npu)")
 
 
 def _info_options(parser: argparse.ArgumentParser) -> None:
@@ -128,8 +131,6 @@ def _generate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt (default: 32)")
     parser.add_argument("--speculative", choices=["none", "mtp"], default="none", help="MTP speculative decoding (default: none)")
     parser.add_argument("--num-draft-steps", type=positive_int, default=1, help="MTP draft steps S with --speculative mtp (default: 1)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="dtype the weights load in; auto = the backend's preferred one (float32 on cpu, bfloat16 on npu and cuda)")
     _kv_options(parser)
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor-parallel ranks: N local processes on the device type, over its collective (default: 1)")

@@ -84,6 +84,38 @@ def test_the_npu_kernel_answers_before_any_pool_exists(npu: Any) -> None:
     assert NpuAttention.unsupported_reason(mimo_full, torch.float32, 128) == npu.unsupported_reason(mimo_full, torch.float32, 128)
 
 
+@pytest.mark.parametrize(
+    ("device", "prefer", "expected"),
+    [
+        ("cpu", None, torch.float32),  # the reference's precision first on the host
+        ("cpu", torch.bfloat16, torch.bfloat16),  # the model's dtype where the kernel takes it
+        ("cpu", torch.float16, torch.float16),
+        ("cuda", None, torch.bfloat16),  # accelerators put bfloat16 first
+        ("cuda", torch.float32, torch.float32),  # a float32 model on cuda keeps float32 KV (its kernel takes it)
+        ("npu", None, torch.bfloat16),
+        ("npu", torch.float16, torch.float16),
+        ("npu", torch.float32, torch.bfloat16),  # FIA v2 takes no float32: the backend's first choice
+    ],
+)
+def test_kv_dtype_follows_the_model_then_the_backends_own_order(device: str, prefer: Any, expected: torch.dtype) -> None:
+    with emulator.emulated():
+        backend = hal.get_backend(device, emulate=device != "cpu")
+        assert backend.kv_dtype_for([layer(0), layer(1, kv=2, window=127)], backend.default_page_size, prefer=prefer) == expected
+    with pytest.raises(SpecError, match=r"prefer must be one of .* got torch.int8"):
+        backend.kv_dtype_for([layer(0)], backend.default_page_size, prefer=torch.int8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_engine_types_its_buffers_and_kv_from_the_model_dtype(dtype: torch.dtype) -> None:
+    model = TinyMiMo(SMALL).to(dtype)
+    assert model.spec.dtype == dtype  # the spec follows the weights, never a stale copy
+    worker = MultiLayerEagleWorker(model, "cpu", num_steps=2, max_batch_size=2, max_seq_len=64, graph_batch_sizes=[2])
+    assert worker.target_pool.spec.dtype == worker.mtp_pool.spec.dtype == dtype
+    # the draft runners' hidden-state buffer is typed from the spec: a float32 buffer refused the
+    # target's bf16 hidden states before (GraphError at the first verify)
+    assert len(worker.generate([[1, 2, 3]], 6).tokens[0]) == 6
+
+
 @pytest.mark.parametrize("device", ["cpu", "npu", "cuda"])
 def test_every_default_page_size_runs_every_mode_of_the_mimo_layers(device: str) -> None:
     with emulator.emulated():

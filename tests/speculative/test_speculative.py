@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import tempfile
 
 import pytest
 import torch
@@ -175,6 +176,37 @@ def test_demo_runs_and_reports_identical_outputs() -> None:
     text = out.getvalue()
     assert "outputs identical: yes" in text
     assert "backend: cpu" in text and "speedup:" in text and "accept length:" in text
+
+
+def test_demo_on_the_emulated_npu_runs_bf16_weights_and_kv_and_judges_departures() -> None:
+    from hal.backends.npu import emulator
+    from hal.tools.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["demo", "--device", "npu", "--emulate", "--train-steps", "5", "--train-sequences", "8", "--max-new-tokens", "24",
+         "--batch-size", "2", "--no-cache"]
+    )
+    out = io.StringIO()
+    with emulator.emulated():
+        code = demo.run(args, out=out)
+    text = out.getvalue()
+    assert "weights: bfloat16, KV cache: bfloat16, pages of 128 tokens" in text
+    # identical, or every departure judged a near-tie by the float32 model
+    assert code == 0 and ("outputs identical: yes" in text or "agree up to bfloat16 rounding" in text), text
+
+
+def test_the_demos_judge_refuses_a_token_rounding_cannot_explain() -> None:
+    from hal.speculative.mimo import MiMoV2Flash
+
+    with tempfile.TemporaryDirectory() as scratch:
+        TinyMiMo(TinyConfig(num_layers=6, num_mtp_layers=1)).save_pretrained(scratch)
+        exact, low = MiMoV2Flash.from_pretrained(scratch), MiMoV2Flash.from_pretrained(scratch, dtype=torch.bfloat16)
+    prefix = [5, 9, 17, 3, 40]
+    logits = demo._dense_logits(exact, prefix)[-1]
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    assert not demo.near_tie(exact, low, prefix, best, worst).within
+    same = demo.near_tie(exact, low, prefix, best, best)
+    assert same.within and same.gap == 0 and 0 < same.delta < 1  # bf16 rounding, measured, not assumed
 
 
 def test_demo_on_an_unavailable_device_fails_with_one_line_before_training(monkeypatch, capsys) -> None:
