@@ -33,6 +33,14 @@ def pytest_report_header() -> str:
     return f"tests/integrations/sglang: SGLang {sglang.__version__}"
 
 
+@pytest.fixture(autouse=True)
+def no_triton_interpreter_in_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's processes start as on a user's CPU machine: without the Triton interpreter the
+    suite sets for the cuda backend's emulation (a Triton kernel SGLang launches there must fail
+    as it would for the user, not run interpreted)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 @pytest.fixture
 def sgl_kernel_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The file the placeholder ``sgl_kernel`` appends a line to whenever one of its names is called."""

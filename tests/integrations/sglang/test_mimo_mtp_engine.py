@@ -58,14 +58,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     return published, expected
 
 
-def sglang_generate(model: Path, speculative: bool) -> list[dict[str, Any]]:
+def sglang_generate(model: Path, speculative: bool, **engine_args: Any) -> list[dict[str, Any]]:
     spec = dict(
         speculative_algorithm="EAGLE", speculative_num_steps=STEPS, speculative_eagle_topk=1,
         speculative_num_draft_tokens=STEPS + 1, speculative_draft_model_path=str(model),
     ) if speculative else {}  # fmt: skip
     engine = sglang.Engine(
         model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, disable_cuda_graph=True,
-        random_seed=0, max_total_tokens=4096, json_model_override_args=mimo_rope_override(model), dtype="float32", **spec,
+        random_seed=0, max_total_tokens=4096, json_model_override_args=mimo_rope_override(model), dtype="float32", **spec, **engine_args,
     )
     try:
         return engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})  # type: ignore[no-any-return]
@@ -113,4 +113,19 @@ def test_multi_layer_eagle_through_hal_is_lossless_and_accepts_like_hal(
     assert served[("TARGET_VERIFY", "SWAKVPool")] == steps, served
     assert served[("DRAFT_EXTEND_V2", "SWAKVPool")] >= STEPS * steps, served
     assert {mode for mode, _ in served} <= {"EXTEND", "DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2"}
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_multi_layer_eagle_through_hal_with_pages_equals_one_token_pages(
+    checkpoint: tuple[Path, list[list[int]]], sgl_kernel_calls: Path, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages of 16 and 128 tokens (hal's npu default): each request's last slot comes from the
+    patched allocation helper, the verify and draft reservations span page boundaries, and the
+    tokens are transformers' (which the one-token-page run above equals)."""
+    model, expected = checkpoint
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    spec = sglang_generate(model, speculative=True, page_size=page_size)
+    assert [o["output_ids"] for o in spec] == expected
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in spec) < len(PROMPTS) * NEW_TOKENS  # drafts were accepted
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"

@@ -26,7 +26,8 @@ PATCHES = Path(hal.integrations.sglang.__file__).parent / "patches"
 WORKER = ("multi_layer_eagle_worker_v2_oot_draft_extend_runner.patch", "python/sglang/srt/speculative/multi_layer_eagle_worker_v2.py")
 DRAFT_UTILS = ("draft_utils_platform_draft_extend_backend.patch", "python/sglang/srt/speculative/draft_utils.py")
 MIMO_NEXTN = ("mimo_v2_nextn_platform_empty_cache.patch", "python/sglang/srt/models/mimo_v2_nextn.py")
-ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN]
+ALLOCATION = ("allocation_get_last_loc_host_tensors.patch", "python/sglang/srt/mem_cache/allocation.py")
+ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION]
 
 
 def git_apply(tree: Path, patch: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -182,3 +183,26 @@ def test_patched_mimo_mtp_asks_the_platform_to_synchronize(tmp_path: Path) -> No
     patched.current_platform = platform
     swap_head(patched)
     assert platform.asked == [("empty_cache",), ("synchronize",)]
+
+
+def test_patched_last_loc_asks_the_tensors_device_not_the_backends_name(tmp_path: Path) -> None:
+    """Speculative decoding with pages asks each request's last KV slot; on host tensors upstream
+    launches a Triton kernel unless the backend is named "ascend" or "torch_native"."""
+    unpatched, patched = before_and_after(tmp_path, *ALLOCATION)
+    req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10) + 100
+    pools, prefix = torch.tensor([2, 0, 3]), torch.tensor([4, 0, 10])
+    expected = torch.tensor([123, -1, 139])  # slot of position prefix - 1 (hand-computed), -1 for an empty prefix
+    launches: list[str] = []
+
+    def triton_launch(*args: object) -> None:  # on a machine without a GPU: "0 active drivers"
+        launches.append("triton")
+        raise RuntimeError("0 active drivers")
+
+    for module in (unpatched, patched):
+        module.attention_backends = lambda: ("hal", "hal")
+        module.get_last_loc_triton = triton_launch
+    with pytest.raises(RuntimeError, match="0 active drivers"):
+        unpatched.get_last_loc(req_to_token, pools, prefix)
+    assert launches == ["triton"]
+    assert torch.equal(patched.get_last_loc(req_to_token, pools, prefix).long(), expected)
+    assert launches == ["triton"]  # the patched helper launched nothing
