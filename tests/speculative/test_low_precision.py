@@ -30,7 +30,8 @@ from hal.speculative.mimo import MiMoV2Flash
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
 
-from tiny_mimo_checkpoints import add_mtp_layers, hf_load, make_checkpoint  # noqa: E402  (after the importorskips)
+from low_precision_guarantee import Guarantee, greedy_generate, float_logits  # noqa: E402  (after the importorskips)
+from tiny_mimo_checkpoints import add_mtp_layers, hf_load, make_checkpoint  # noqa: E402
 
 GEN = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(1, 96, (n,), generator=GEN).tolist() for n in (5, 12, 20, 33)]
@@ -49,53 +50,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def float32_oracle(checkpoint: Path) -> Any:
     return hf_load(checkpoint)
-
-
-def _generate(model: Any, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def _logits(model: Any, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float()
-
-
-class Guarantee:
-    """The float32 oracle and the dtype's rounding error (``delta``) per prompt, as transformers
-    realises it on the sequences compared."""
-
-    def __init__(self, checkpoint: Path, oracle: Any, dtype: torch.dtype, prompts: Sequence[list[int]], n: int) -> None:
-        self.oracle, self.low = oracle, hf_load(checkpoint, dtype=dtype)
-        self.prompts, self.n = prompts, n
-        self.reference = [_generate(oracle, p, n) for p in prompts]
-        self.deltas: dict[int, float] = {}
-
-    def delta(self, i: int, continuations: Sequence[Sequence[int]]) -> float:
-        """The largest |logit error| of transformers in the low dtype over prompt ``i`` followed by
-        the float32 reference and by each of ``continuations`` (every position, teacher-forced)."""
-        worst = self.deltas.get(i, 0.0)
-        for continuation in [self.reference[i], *continuations]:
-            tokens = self.prompts[i] + list(continuation)
-            worst = max(worst, float((_logits(self.low, tokens) - _logits(self.oracle, tokens)).abs().max()))
-        self.deltas[i] = worst
-        return worst
-
-    def check_departure(self, i: int, a: Sequence[int], b: Sequence[int], label: str) -> int:
-        """Where ``a`` and ``b`` (two continuations of prompt ``i``) first differ, both tokens must be
-        within 2 delta of each other and of the float32 best; returns that index (len if equal)."""
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        if first == len(a):
-            return first
-        delta = self.delta(i, [a, b])
-        logits = _logits(self.oracle, self.prompts[i] + list(a[:first]))[-1]
-        best = float(logits.max())
-        x, y = float(logits[a[first]]), float(logits[b[first]])
-        assert abs(x - y) <= 2 * delta and best - min(x, y) <= 2 * delta, (
-            f"{label}, prompt {i}, token {first}: {a[first]} vs {b[first]} at float32 logits {x:.4f} / {y:.4f} "
-            f"(best {best:.4f}), beyond 2 * delta = {2 * delta:.4f}"
-        )
-        return first
 
 
 def _agreement(runs: dict[str, tuple[tuple[int, ...], ...]], reference: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -145,7 +99,7 @@ def test_greedy_and_mtp_in_low_precision_keep_the_guarantee(
     guarantee = Guarantee(checkpoint, float32_oracle, dtype, PROMPTS, NEW_TOKENS)
     runs = _decode_all(backend, model, PROMPTS, NEW_TOKENS, (1, 2, 3), max_batch_size=4, max_seq_len=96,
                        graph_batch_sizes=[4])
-    runs["transformers"] = tuple(tuple(_generate(guarantee.low, p, NEW_TOKENS)) for p in PROMPTS)
+    runs["transformers"] = tuple(tuple(greedy_generate(guarantee.low, p, NEW_TOKENS)) for p in PROMPTS)
     rates = _hold_to_guarantee(guarantee, runs, f"{device} {dtype}")
     record_property("agreement_with_float32", rates)
     print(f"{device} {dtype}: share of tokens before the first departure from float32 greedy: {rates}")
@@ -166,7 +120,7 @@ def test_the_guarantee_catches_a_token_that_rounding_cannot_explain(checkpoint: 
     """The check itself: a continuation that departs where float32 has a clear winner fails it."""
     guarantee = Guarantee(checkpoint, float32_oracle, torch.bfloat16, PROMPTS[:1], 8)
     reference = guarantee.reference[0]
-    logits = _logits(float32_oracle, PROMPTS[0])[-1]
+    logits = float_logits(float32_oracle, PROMPTS[0])[-1]
     wrong = int(logits.argmin())  # the float32 worst token, far from any tie
     with pytest.raises(AssertionError, match="beyond 2 \\* delta"):
         guarantee.check_departure(0, [wrong, *reference[1:]], reference, "planted")
