@@ -12,9 +12,9 @@ from hal.protocols import KVPool
 from hal.spec import strict_int, strict_ints
 
 
-def _page_count(n: object) -> int:
+def _page_count(n: object, what: str = "alloc: page count") -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise SpecError(f"alloc: page count must be an int >= 0, got {n!r}")
+        raise SpecError(f"{what} must be an int >= 0, got {n!r}")
     return n
 
 
@@ -24,7 +24,7 @@ class PageAllocator:
     consecutive pages, which a kernel can read in place instead of gathering them."""
 
     def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
+        self.num_pages = _page_count(num_pages, "PageAllocator: num_pages")
         self._free = list(range(1, num_pages + 1))  # a heap: heappop hands out the lowest page
         self._used: set[int] = set()
 

@@ -96,6 +96,12 @@ class TileGroup:
     # tiles are then one strided view, attended in one batch.
     strided: tuple[int, int, int] | None = None
     strided_blocked: torch.Tensor | None = None
+    # Keys no row of a tile sees ([tiles or 1, K, 1, 1] bool, over ``blocked``'s keys and over the
+    # strided keys), or None when every key read is some row's: a page's tail or the rest of a shared
+    # window, which may hold what an earlier owner of the page left (NaN, inf). They are read as
+    # zeros, since a masked weight of 0 times NaN is NaN.
+    unseen: torch.Tensor | None = None
+    strided_unseen: torch.Tensor | None = None
     # The strided mask as the flash kernel takes it (additive, a row per query head and row), by
     # query heads per kv head: made by the first layer of a forward, reused by the others.
     flash_masks: dict[int, torch.Tensor] = attrs.field(factory=dict, repr=False)
@@ -223,6 +229,7 @@ def _group(
         q_rows = torch.where(real, src, 0).reshape(-1).to(device)
         out_rows = torch.where(real, src, num_tokens).reshape(-1).to(device)
     blocked = (~visible).view(n, 1, 1, rows, pages * ps).to(device)
+    unseen = _unseen_keys(~visible.any(1), device)
     views = None
     if in_place:
         # The keys some row of each tile sees, from its first page's first slot: [first, last + 1).
@@ -232,12 +239,19 @@ def _group(
             spans.append((first_key - t[4] * ps, min(kv_lens[t[0]], t[3] + t[2]) - t[4] * ps))
         views = _in_place_views(spans, page_ids.view(n, pages), [max(t[5], 1) for t in tiles])
     strided, strided_blocked = _strided_tiles(views, ps, blocked) if views is not None and n > 1 else (None, None)
+    strided_unseen = None if strided_blocked is None else _unseen_keys(strided_blocked.all(3).view(n, -1), device)
     if strided is None and n > 1 and views is not None:
         narrowest = min(end - first for _, _, first, end in views)
         if narrowest * token_bytes < VIEW_MIN_TILE_BYTES:
             views = None  # small tiles one at a time cost more than one batched gather
     return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views, strided=strided,
-                     strided_blocked=strided_blocked)
+                     strided_blocked=strided_blocked, unseen=unseen, strided_unseen=strided_unseen)
+
+
+def _unseen_keys(unseen: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``unseen [tiles, K]`` (keys no row of the tile sees) as ``[tiles, K, 1, 1]`` on ``device``,
+    None when there are none."""
+    return unseen.view(*unseen.shape, 1, 1).to(device) if bool(unseen.any()) else None
 
 
 def _strided_groups(
@@ -287,7 +301,7 @@ def _strided_groups(
     stride = offsets[1] - offsets[0] if len(offsets) > 1 else 0
     if stride < 0 or offsets[0] + lo < 0 or any(b - a != stride for a, b in zip(offsets, offsets[1:])):
         return None
-    mask = None
+    mask = unseen = None
     if rows > 1 or any(first != lo or end != hi for _, first, end, _ in spans):
         # row i of a tile sits at its position pos + i: it sees keys up to there, and on a window
         # layer from W before it; the window's other keys (other tiles' reach) are hidden too
@@ -299,13 +313,16 @@ def _strided_groups(
         if bool(hidden.any()):
             alike = len({pos for *_, pos in spans}) == 1
             mask = (hidden[:1] if alike else hidden).view(1 if alike else len(spans), 1, 1, rows, keys).to(block_table.device)
+            unseen = _unseen_keys((hidden[:1] if alike else hidden).all(1), block_table.device)
     per_group = max(1, STRIDED_GROUP_BYTES // max(1, keys * token_bytes))
     groups = []
     for i in range(0, len(views), per_group):
         part = views[i : i + per_group]
         part_mask = mask if mask is None or mask.shape[0] == 1 else mask[i : i + per_group]
+        part_unseen = unseen if unseen is None or unseen.shape[0] == 1 else unseen[i : i + per_group]
         groups.append(TileGroup(len(part), rows, max(v[1] for v in part), None, None, slice(i * rows, (i + len(part)) * rows),
-                                None, None, views=tuple(part), strided=(offsets[i] + lo, stride, keys), strided_blocked=part_mask))
+                                None, None, views=tuple(part), strided=(offsets[i] + lo, stride, keys), strided_blocked=part_mask,
+                                strided_unseen=part_unseen))
     return groups
 
 
@@ -432,7 +449,7 @@ def _attend_group(
     strided = _strided_views(k_cache, v_cache, group, dk)
     if strided is not None:
         keys, values = strided
-        mask = group.strided_blocked
+        mask, unseen = group.strided_blocked, group.strided_unseen
     elif group.views is not None and not group.causal_square and (group.page_ids is None or not fused_tile):
         return _rows_of(_attend_in_place(qt, k_cache, v_cache, group, sinks), group.zero_rows)
     else:
@@ -440,7 +457,12 @@ def _attend_group(
         keys_per_tile = group.pages * v_cache.shape[1]
         keys = _gather_pages(k_cache, group.page_ids, workspace, "k").view(n, keys_per_tile, hkv, dk)
         values = _gather_pages(v_cache, group.page_ids, workspace, "v").view(n, keys_per_tile, hkv, dv)
-        mask = group.blocked
+        mask, unseen = group.blocked, group.unseen
+        if unseen is not None:  # gathered copies: zeroed in place
+            keys.masked_fill_(unseen, 0.0), values.masked_fill_(unseen, 0.0)
+            unseen = None
+    if unseen is not None:  # views of the cache: zeroed copies
+        keys, values = keys.masked_fill(unseen, 0.0), values.masked_fill(unseen, 0.0)
     if group.causal_square:
         if sinks is not None:
             raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
@@ -580,10 +602,14 @@ def _attend_in_place(
             assert group.strided is not None
             start, stride, _ = group.strided
             at = first_page * ps + first - (start + i * stride)  # this tile's first key in the window
-            shared = group.strided_blocked
+            shared, shared_unseen = group.strided_blocked, group.strided_unseen
             mask = None if shared is None else shared[min(i, shared.shape[0] - 1)][None, ..., at : at + end - first]
+            unseen = None if shared_unseen is None else shared_unseen[min(i, shared_unseen.shape[0] - 1)][at : at + end - first]
         else:
             mask = group.blocked[i : i + 1, :, :, :, first:end]
+            unseen = None if group.unseen is None else group.unseen[i, first:end]
+        if unseen is not None:
+            k, v = k.masked_fill(unseen, 0.0), v.masked_fill(unseen, 0.0)
         tiles.append(_attention(qt[i * rows : (i + 1) * rows], k[None], v[None], mask, sinks, v.shape[2]))
     return torch.cat(tiles)
 

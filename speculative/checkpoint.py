@@ -45,8 +45,11 @@ class Checkpoint:
             self._file_of = {name: self.directory / file for name, file in weight_map.items()}
         elif (self.directory / SINGLE_FILE).is_file():
             single = self.directory / SINGLE_FILE
-            with safe_open(str(single), framework="pt") as f:
-                self._file_of = {name: single for name in f.keys()}
+            try:
+                with safe_open(str(single), framework="pt") as f:
+                    self._file_of = {name: single for name in f.keys()}
+            except self._read_errors as exc:  # truncated, empty, not safetensors
+                raise CheckpointError(f"{single}: not a readable safetensors file ({exc})") from exc
         else:
             raise CheckpointError(f"missing file: {self.directory / SINGLE_FILE} (or {INDEX_FILE} with its shards)")
         for file in sorted(set(self._file_of.values())):
@@ -81,13 +84,21 @@ class Checkpoint:
         return tuple(self._read(name, "slice").get_shape())
 
     def tensor(self, name: str) -> torch.Tensor:
-        """``name``, memory-mapped; FP8 weights come back dequantized to float32."""
+        """``name``, memory-mapped; FP8 weights come back dequantized to float32. Weights are
+        floating point (an integer or bool tensor is a ``CheckpointError``, never cast) and finite
+        (a NaN or inf is a ``CheckpointError`` naming the tensor: it would decode garbage)."""
         raw = self._read(name, "tensor")
         scale_name = name + SCALE_SUFFIX
         if raw.dtype in FP8_DTYPES:
             if scale_name not in self._file_of:
                 raise CheckpointError(f"tensor {name!r} is {raw.dtype} but {scale_name!r} (its block scales) is missing")
-            return dequantize_fp8(raw, self._read(scale_name, "tensor"), name)
+            raw = dequantize_fp8(raw, self._read(scale_name, "tensor"), name)
+        if not raw.is_floating_point():
+            raise CheckpointError(f"tensor {name!r} is stored as {raw.dtype}; weights are floating point "
+                                  "(float32, bfloat16, float16, or FP8 with block scales)")
+        if not bool(torch.isfinite(raw).all()):
+            bad = int((~torch.isfinite(raw)).sum())
+            raise CheckpointError(f"tensor {name!r} holds {bad} NaN or inf values of {raw.numel()}")
         return raw
 
     def layer_indices(self, prefix: str) -> list[int]:

@@ -5,6 +5,12 @@ hypothesis profiles.
   kernel module is imported, and transformers imports triton on its own, so whichever test ran
   first would otherwise decide whether the cuda backend's emulation can run at all. Tests of what
   happens without it start a clean subprocess.
+- Each test leaves the process as it found it: the NPU emulator (``torch_npu`` / ``torch.npu``),
+  which ``hal.get_backend("npu", emulate=True)`` installs process-wide, is removed again after a
+  test that installed it, and torch's thread count is restored, so no test passes or fails because
+  of which tests ran before it (the suite runs in random order: pytest-randomly).
+
+Hypothesis profiles:
 
 - ``ci`` (chosen when the ``CI`` environment variable is set): derandomized, so a CI failure
   reproduces locally with ``CI=1``; no deadline (torch's first calls are slow and timing is
@@ -23,10 +29,30 @@ profile (they inherit its deadline and derandomization):
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def process_as_found() -> Iterator[None]:
+    """Undo what a test changed process-wide (after the higher-scoped fixtures it uses have set up,
+    so an emulator a module fixture installed stays for that module)."""
+    import torch
+
+    emulator_installed = "torch_npu" in sys.modules
+    threads = torch.get_num_threads()
+    yield
+    if not emulator_installed and "torch_npu" in sys.modules:
+        from hal.backends.npu import emulator
+
+        emulator.uninstall()  # a no-op for anything but the emulator
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 IN_CI = bool(os.environ.get("CI"))
 

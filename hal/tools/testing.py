@@ -197,14 +197,31 @@ def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | 
     return out[0], out[1]
 
 
-def run_attention_case(backend: Backend, case: AttentionCase) -> CaseResult:
+def poison_unseen_rows(pool: KVPool, layer: int, stored: torch.Tensor) -> None:
+    """Fill every K row of ``layer`` that holds none of the ``stored`` slots' tokens with NaN and
+    every such V row with inf (what an earlier owner of a reused page may have left there), the
+    padding page included."""
+    rows = kv_rows(pool, layer, stored)
+    for buf, value in ((pool.k_buffer(layer), float("nan")), (pool.v_buffer(layer), float("inf"))):
+        flat = buf.view(-1, buf.shape[-2], buf.shape[-1])
+        unseen = torch.ones(flat.shape[0], dtype=torch.bool)
+        unseen[rows] = False
+        flat[unseen.to(flat.device)] = value
+
+
+def run_attention_case(backend: Backend, case: AttentionCase, *, poison_unseen: bool = False) -> CaseResult:
     """Run ``case`` on ``backend`` and the CPU reference; compare outputs and the written cache.
 
     The cache check needs no zero-initialised pool: the rows of every stored token must equal
-    the reference's, and every other row must be what it was before the forward.
+    the reference's, and every other row must be what it was before the forward. With
+    ``poison_unseen`` the backend's pool holds NaN/inf in every row no token of the case owns
+    (``poison_unseen_rows``); nothing a row cannot see may reach its output, so the output must
+    still equal the reference's over a clean pool.
     """
     got, ref = prepare_case(backend, case)
     lay = case.layer
+    if poison_unseen:
+        poison_unseen_rows(got.pool, lay.layer_id, got.slots)
     before_k, before_v = read_kv(got.pool, lay.layer_id)
     out = got.kernel.forward(got.q, got.k, got.v, lay, got.metadata, sinks=got.sinks)
     expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.metadata, sinks=ref.sinks)
@@ -217,6 +234,8 @@ def run_attention_case(backend: Backend, case: AttentionCase) -> CaseResult:
     max_err = float(err.max()) if err.numel() else 0.0
     ok = bool(torch.allclose(out_c, exp_c, atol=atol, rtol=rtol))
     detail = "" if ok else f"output differs: max |err| {max_err:.3g} > atol {atol} + rtol {rtol}"
+    if not bool(torch.isfinite(out_c).all()):
+        detail += f"; {int((~torch.isfinite(out_c)).sum())} output values are not finite (NaN/inf from slots no row sees?)"
     got_rows = kv_rows(got.pool, lay.layer_id, got.slots)
     ref_k, ref_v = read_kv(ref.pool, lay.layer_id, ref.slots)
     after_k, after_v = read_kv(got.pool, lay.layer_id)
@@ -226,10 +245,15 @@ def run_attention_case(backend: Backend, case: AttentionCase) -> CaseResult:
             detail += f"; cached {name} of the case's tokens differs from the reference"
         untouched = torch.ones(after.shape[0], dtype=torch.bool)
         untouched[got_rows] = False
-        if not torch.equal(after[untouched], before[untouched]):
+        if not _same_with_nan(after[untouched], before[untouched]):
             ok = False
             detail += f"; the forward changed {name} rows that belong to no token of the case"
     return CaseResult(case, ok, max_err, detail.lstrip("; "))
+
+
+def _same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` that counts NaN as equal to NaN (a poisoned row left as it was)."""
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
 
 
 def standard_attention_cases(

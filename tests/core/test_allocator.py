@@ -149,6 +149,12 @@ def test_page_allocator_rejects_bad_counts(n) -> None:
     assert alloc.num_free == 4
 
 
+@pytest.mark.parametrize("n", [-3, True, 2.0, None])
+def test_page_allocator_refuses_a_size_that_is_not_a_page_count(n) -> None:
+    with pytest.raises(SpecError, match=f"PageAllocator: num_pages must be an int >= 0, got {n!r}"):
+        PageAllocator(n)
+
+
 def test_hybrid_allocator_is_limited_by_the_smaller_sub_pool() -> None:
     spec = KVPoolSpec(2, 32, 4, 1, 2, 2, swa=SWAPoolSpec((1,), 8, 1, 2, 2))  # 8 full pages, 2 SWA pages
     alloc = KVAllocator(SplitKVPool(spec))

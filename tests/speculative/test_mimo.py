@@ -134,6 +134,21 @@ def test_loader_errors_name_the_thing(tmp_path: Path) -> None:
     rewrite({**weights, "model.norm.weight": torch.ones(33)})
     with pytest.raises(CheckpointError, match=r"tensor 'model.norm.weight': shape mismatch, expected \(32,\), found \(33,\)"):
         MiMoV2Flash.from_pretrained(tmp_path)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    for stored in (weights[name].to(torch.int32), weights[name] > 0):  # loaded silently (cast) before
+        rewrite({**weights, name: stored})
+        with pytest.raises(CheckpointError, match=f"tensor '{name}' is stored as {stored.dtype}; weights are floating point"):
+            MiMoV2Flash.from_pretrained(tmp_path)
+    for bad in (float("nan"), float("inf")):  # generated [0, 0, 0, ...] with exit code 0 before
+        poisoned = weights[name].clone()
+        poisoned[1, 2] = bad
+        rewrite({**weights, name: poisoned})
+        with pytest.raises(CheckpointError, match=f"tensor '{name}' holds 1 NaN or inf values"):
+            MiMoV2Flash.from_pretrained(tmp_path)
+    for damaged in (b"", b"x" * 20, (tmp_path / "model.safetensors").read_bytes()[:100]):  # a traceback before
+        (tmp_path / "model.safetensors").write_bytes(damaged)
+        with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+            MiMoV2Flash.from_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="missing file: .*model.safetensors"):
         MiMoV2Flash.from_pretrained(tmp_path)

@@ -34,6 +34,7 @@ def _env(*extra_paths: Path) -> dict[str, str]:
     paths = [str(p) for p in extra_paths] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # load exactly the plugins a test names
+    env.pop("PYTEST_ADDOPTS", None)  # and none of this run's options (its test-order seed)
     return env
 
 

@@ -20,6 +20,10 @@ What it checks (each check lists the features it exercises; the report counts pe
   must agree within ``hal.tools.testing.TOLERANCE[dtype]`` (about two ulps of the output dtype at
   magnitude 1: fp32 2e-5, fp16 2e-3, bf16 1.6e-2, absolute and relative); cached K/V must be
   bit-identical and rows of no token must stay untouched.
+- Unseen slots: the quick attention cases again over a pool whose rows that no token of the case
+  owns hold NaN (K) and inf (V), padding page included, as a reused page may: the output must
+  equal the reference's over a clean pool and be finite (a kernel that reads a page's tail or a
+  shared window must mask, not multiply by zero: 0 x NaN is NaN).
 - Graphs, through ``hal.GraphRunner`` on the backend's own ``Graph``: a DECODE loop and a
   synthetic MTP loop (TARGET_VERIFY over S + 1 tokens, then S DRAFT_EXTEND_V2 steps, each fed
   by the previous step's output) with kv lengths growing and the batch changing between
@@ -37,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hal.tools.conformance.attention_checks import ATTENTION_PROFILES, attention_cases, attention_check
+from hal.tools.conformance.attention_checks import ATTENTION_PROFILES, attention_cases, attention_check, unseen_slot_cases
 from hal.tools.conformance.error_checks import error_checks
 from hal.tools.conformance.framework import (
     Check,
@@ -57,7 +61,13 @@ from hal.tools.conformance.pool_checks import pool_checks
 def build_suite(*, quick: bool = False, select: Sequence[str] = ()) -> list[Check]:
     """Every check, in run order. ``quick`` trims the attention matrix and the loops (slow
     emulators); ``select`` keeps checks whose name or a feature contains any of the strings."""
-    checks = pool_checks() + [attention_check(c) for c in attention_cases(quick)] + graph_checks(quick) + error_checks()
+    checks = (
+        pool_checks()
+        + [attention_check(c) for c in attention_cases(quick)]
+        + [attention_check(c, poison_unseen=True) for c in unseen_slot_cases()]
+        + graph_checks(quick)
+        + error_checks()
+    )
     if select:
         wanted = [s.lower() for s in select]
         checks = [

@@ -94,10 +94,22 @@ def _case_features(case: AttentionCase) -> tuple[str, ...]:
     return tuple(features)
 
 
-def attention_check(case: AttentionCase) -> Check:
+def attention_check(case: AttentionCase, *, poison_unseen: bool = False) -> Check:
+    """``case`` against the reference; with ``poison_unseen``, over a pool whose rows that no token
+    of the case owns hold NaN (K) and inf (V): pages are reused, and a kernel that reads a page's
+    tail or a shared window must mask those values out, not multiply them by zero."""
+
     def fn(backend: Backend) -> None:
-        result = run_attention_case(backend, case)
+        result = run_attention_case(backend, case, poison_unseen=poison_unseen)
         if not result.passed:
             fail(result.detail)
 
+    if poison_unseen:
+        return Check(f"attention, NaN/inf in unseen slots, {case.describe()}", ("attention: NaN/inf in unseen slots",), fn)
     return Check(f"attention {case.describe()}", _case_features(case), fn)
+
+
+def unseen_slot_cases() -> list[AttentionCase]:
+    """Every mode with and without a window and sinks, pages partly filled (a tail no row sees) and
+    requests of unequal lengths: the quick suite's cases."""
+    return attention_cases(quick=True)
