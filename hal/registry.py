@@ -115,7 +115,10 @@ def backend_class(device_type: str) -> type:
     """The class registered for ``device_type``, imported (its module, not its vendor runtime)."""
     device_type = device_type.lower()
     if device_type not in _entries:
-        raise UnknownDeviceError(f"unknown device type {device_type!r}: registered device types are {sorted(_entries)}")
+        hint = _device_hint(device_type)
+        raise UnknownDeviceError(
+            f"unknown device type {device_type!r}: registered device types are {sorted(_entries)}{hint}"
+        )
     entry = _entries[device_type]
     if isinstance(entry.target, type):
         return entry.target
@@ -154,6 +157,19 @@ def parse_device(device: str | torch.device) -> tuple[str, int | None]:
     return m.group(1).lower(), (int(m.group(2)) if m.group(2) is not None else None)
 
 
+# Names people type for a registered device type.
+_ALIASES = {"gpu": "cuda", "nvidia": "cuda", "ascend": "npu", "host": "cpu"}
+
+
+def _device_hint(device_type: str) -> str:
+    """``"; did you mean 'npu:0'?"`` for ``npu0``, ``'cuda'`` for ``gpu``; empty when nothing is close."""
+    glued = re.fullmatch(r"([a-z_]+?)(\d+)", device_type)
+    if glued and glued.group(1) in _entries:
+        return f"; did you mean '{glued.group(1)}:{glued.group(2)}'?"
+    alias = _ALIASES.get(device_type)
+    return f"; did you mean {alias!r}?" if alias in _entries else ""
+
+
 def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -> Backend:
     """The backend bundle for ``device`` (``"npu"``, ``"npu:1"``, ``"cuda"``, ``"cpu"``, ``"auto"``).
 
@@ -178,6 +194,7 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
         if device_type not in _entries:
             raise UnknownDeviceError(
                 f"unknown device {str(device)!r}: registered device types are {sorted(_entries)} (and 'auto')"
+                f"{_device_hint(device_type)}"
             )
         key = (device_type, index, emulate)
         if key in _instances:

@@ -152,4 +152,6 @@ def save_checkpoint(directory: Path | str, config: dict[str, Any], tensors: dict
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600): give it config.json's mode
+    (directory / SINGLE_FILE).chmod((directory / "config.json").stat().st_mode & 0o777)
     return directory

@@ -130,7 +130,8 @@ def _generate_options(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--prompt", action="append", help="a text prompt (repeatable; needs DIR/tokenizer.json)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens generated per prompt (default: 32)")
     parser.add_argument("--speculative", choices=["none", "mtp"], default="none", help="MTP speculative decoding (default: none)")
-    parser.add_argument("--num-draft-steps", type=positive_int, default=1, help="MTP draft steps S with --speculative mtp (default: 1)")
+    parser.add_argument("--num-draft-steps", type=positive_int, default=None,
+                        help="MTP draft steps S with --speculative mtp (default: 1)")
     _kv_options(parser)
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor-parallel ranks: N local processes on the device type, over its collective (default: 1)")
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text, add_options) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module_name)
+        p.set_defaults(_module=module_name, _parser=p)
         add_options(p)
     return parser
 
@@ -180,7 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; hal and file-system errors become a one-line message and exit code 1."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # reported by the command that was given them (hal generate: ...), not by hal
+            (getattr(args, "_parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # --help, --version, or a bad option (one line on stderr)
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
@@ -203,6 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (hal conformance --list | head -1): not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

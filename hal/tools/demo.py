@@ -11,11 +11,13 @@ import argparse
 import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
 import torch
 
+from hal.errors import SpecError
 from hal.protocols import Backend
 from hal.speculative.distill import DenseAttend, DistillConfig, DistillReport, distill
 from hal.speculative.mimo import MiMoV2Flash
@@ -57,6 +59,14 @@ def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], 
     return show
 
 
+def check_export_directory(directory: Path) -> None:
+    """``--export DIR`` must name a new or empty directory: an existing checkpoint is not overwritten."""
+    if directory.exists() and not directory.is_dir():
+        raise SpecError(f"--export {directory}: exists and is not a directory")
+    if directory.is_dir() and any(directory.iterdir()):
+        raise SpecError(f"--export {directory}: the directory is not empty (give a new or empty one)")
+
+
 def build_engines(
     model: EngineModel, backend: Backend, num_steps: int, kv_dtype: torch.dtype | None, **engine_args: Any
 ) -> tuple[GreedyDecoder, MultiLayerEagleWorker]:
@@ -86,12 +96,16 @@ def setup(
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     backend = backend_from_args(args)  # an unknown or unavailable device fails before training
+    if args.export is not None:
+        check_export_directory(args.export)
     tiny = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
     overrides = {k: v for k, v in (("steps", args.train_steps), ("num_sequences", args.train_sequences)) if v is not None}
     report = distill(tiny, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
     # The demo runs what it exports: a MiMo-V2-Flash checkpoint (transformers loads it too).
     with tempfile.TemporaryDirectory() as scratch:
         directory = tiny.save_pretrained(args.export or scratch)
+        if args.export is not None:
+            print(f"checkpoint written to {directory} (config.json, model.safetensors)", file=sys.stderr)
         dtype = dtype_option(args.dtype) or backend.preferred_dtype
         model = MiMoV2Flash.from_pretrained(directory, dtype=dtype)
         float32_model = model if dtype == torch.float32 else MiMoV2Flash.from_pretrained(directory)

@@ -20,6 +20,7 @@ from hal.distributed import init_tensor_parallel, launch_environment, shutdown
 from hal.errors import CheckpointError, SpecError
 from hal.protocols import Backend
 from hal.speculative import GenerationResult, GreedyDecoder, MultiLayerEagleWorker
+from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.mimo_config import MiMoConfig
 from hal.tools.cli import backend_from_args, dtype_option
@@ -42,7 +43,7 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
     """Token-id prompts from exactly one of the prompt options, and the tokenizer if text was given."""
     given = [name for name in ("prompt_ids", "prompts_file", "prompt") if getattr(args, name)]
     if len(given) != 1:
-        raise SpecError("hal generate: give exactly one of --prompt-ids, --prompts-file, --prompt")
+        raise SpecError("give exactly one of --prompt-ids, --prompts-file, --prompt")
     if args.prompt_ids:
         try:
             return [[int(t) for t in args.prompt_ids.split(",")]], None
@@ -51,6 +52,8 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
     if args.prompts_file:
         try:
             prompts = json.loads(Path(args.prompts_file).read_text())
+        except OSError as exc:
+            raise SpecError(f"--prompts-file {args.prompts_file}: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
             raise SpecError(f"--prompts-file {args.prompts_file}: not JSON ({exc})") from None
         except UnicodeDecodeError:
@@ -94,11 +97,7 @@ def decode(args: argparse.Namespace, prompts: list[list[int]], backend: Backend 
         dtype = dtype_option(args.dtype) or backend.preferred_dtype
         model = MiMoV2Flash.from_pretrained(args.model, dtype=dtype, tp=tp,
                                             progress=None if quiet else lambda d, t: show("loading weights", d, t, None))
-        steps = args.num_draft_steps if args.speculative == "mtp" else 0
-        available = model.spec.num_draft_layers
-        if steps and not 1 <= steps <= available:
-            what = f"1..{available}" if available else "MTP layers, and the checkpoint has none (model.mtp.layers.*)"
-            raise SpecError(f"--num-draft-steps {steps}: --speculative mtp needs {what}")
+        steps = draft_steps(args)
         engine_args: dict[str, Any] = {
             "page_size": args.page_size,
             "kv_dtype": dtype_option(args.kv_dtype),
@@ -112,11 +111,33 @@ def decode(args: argparse.Namespace, prompts: list[list[int]], backend: Backend 
         shutdown(tp)
 
 
+def draft_steps(args: argparse.Namespace) -> int:
+    """MTP draft steps per iteration: ``--num-draft-steps`` (default 1) with ``--speculative mtp``,
+    else 0 (the option alone is refused, not ignored)."""
+    if args.speculative != "mtp":
+        if args.num_draft_steps is not None:
+            raise SpecError(f"--num-draft-steps {args.num_draft_steps} needs --speculative mtp")
+        return 0
+    return 1 if args.num_draft_steps is None else int(args.num_draft_steps)
+
+
+def check_draft_steps(steps: int, directory: Path) -> None:
+    """Refuse more draft steps than the checkpoint stores MTP layers, from its tensor names alone."""
+    if not steps:
+        return
+    with Checkpoint(directory) as ckpt:
+        available = len(ckpt.layer_indices("model.mtp.layers."))
+    if steps > available:
+        what = f"1..{available}" if available else "MTP layers, and the checkpoint has none (model.mtp.layers.*)"
+        raise SpecError(f"--num-draft-steps {steps}: --speculative mtp needs {what}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Load, decode, print (or emit one JSON object); exit 0. ``--tp N`` runs N local ranks; under
     torchrun each process is one rank and rank 0 prints."""
     prompts, tokenizer = read_prompts(args)
     check_prompts(prompts, MiMoConfig.from_file(Path(args.model) / "config.json"))  # before any weight loads
+    check_draft_steps(draft_steps(args), Path(args.model))
     backend = backend_from_args(args)  # an unknown or unavailable device fails before loading
     if not isinstance(args.tp, int) or args.tp < 1:
         raise SpecError(f"--tp must be an int >= 1, got {args.tp!r}")
@@ -129,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_ranks(decode, args.tp, args, prompts)[0]
     else:
         result = decode(args, prompts, backend)
-    steps = args.num_draft_steps if args.speculative == "mtp" else 0
+    steps = draft_steps(args)
     tokens = [list(t) for t in result.tokens]
     if args.json:
         accept = result.mean_accept_length if result.accept_lengths else None

@@ -80,7 +80,16 @@ def _bad_invocations(model: Path, tmp: Path) -> list[tuple[list[str], str]]:
     return [
         (["generate", "--model", str(model), "--prompts-file", str(tmp / "not.json")], "not JSON"),
         (["generate", "--model", str(model), "--prompts-file", str(tmp / "oov.json")], "token id 100000 is outside the vocabulary"),
-        (["generate", "--model", str(model), "--prompts-file", str(tmp / "missing.json")], "No such file"),
+        (["generate", "--model", str(model), "--prompts-file", str(tmp / "missing.json")], "--prompts-file "),
+        (["generate", "--model", str(model), "--prompt-ids", "1,2", "--num-draft-steps", "2"],
+         "--num-draft-steps 2 needs --speculative mtp"),
+        (["generate", "--model", str(model), "--prompt-ids", "1,2", "--speculative", "mtp", "--num-draft-steps", "5"],
+         "--num-draft-steps 5: --speculative mtp needs 1..1"),
+        (["generate", "--model", str(model), "--prompt-ids", "1,2", "--devcie", "npu"], "hal generate: unrecognized arguments: --devcie npu"),
+        (["demo", "--device", "npu0"], "did you mean 'npu:0'?"),
+        (["demo", "--device", "gpu"], "did you mean 'cuda'?"),
+        (["demo", "--export", str(tmp / "not.json")], "--export "),
+        (["demo", "--export", str(model)], "the directory is not empty"),
         (["generate", "--model", str(model), "--prompt-ids", "1,2", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be an int >= 1, got '-5'"),
         (["generate", "--model", str(model), "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated ints"),
         (["generate", "--model", str(tmp / "nowhere"), "--prompt-ids", "1,2"], "nowhere"),
@@ -118,3 +127,14 @@ def test_progress_is_drawn_only_on_a_terminal() -> None:
             show("loading weights", done, 30, None)
     assert log.getvalue().count("\n") == 1 and "\r" not in log.getvalue() and log.getvalue().startswith("loading weights")
     assert tty.getvalue().count("\r") == 31 and tty.getvalue().endswith("30/30\n")
+
+
+def test_a_reader_that_leaves_early_is_not_an_error() -> None:
+    """``hal conformance --list | head -1``: the pipe closes while hal still writes."""
+    proc = subprocess.Popen([sys.executable, "-m", "hal.tools.cli", "conformance", "--list"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()  # the first check's name
+    proc.stdout.close()  # head -1 exits
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == "", err
