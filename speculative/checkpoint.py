@@ -30,7 +30,7 @@ class Checkpoint:
         try:
             from safetensors import SafetensorError, safe_open
         except ImportError as exc:  # an optional dependency of checkpoint loading only
-            raise CheckpointError("reading checkpoints needs safetensors: pip install 'hal[mimo]'") from exc
+            raise CheckpointError("reading checkpoints needs safetensors (a dependency of hal): pip install safetensors") from exc
         self._safe_open = safe_open
         self._read_errors = (SafetensorError, OSError)
         self.directory = Path(directory)
@@ -146,7 +146,7 @@ def save_checkpoint(directory: Path | str, config: dict[str, Any], tensors: dict
     try:
         from safetensors.torch import save_file
     except ImportError as exc:  # an optional dependency of checkpoints only
-        raise CheckpointError("writing checkpoints needs safetensors: pip install 'hal[mimo]'") from exc
+        raise CheckpointError("writing checkpoints needs safetensors (a dependency of hal): pip install safetensors") from exc
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

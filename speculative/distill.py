@@ -183,7 +183,7 @@ def _fingerprint(model: TinyMiMo) -> str:
     for name, p in model.named_parameters():
         if not name.startswith("mtp_blocks."):
             h.update(name.encode())
-            h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+            h.update(bytes(p.detach().to("cpu", torch.float32).clone().untyped_storage()))  # no numpy needed
     return h.hexdigest()[:16]
 
 

@@ -25,9 +25,18 @@ def register() -> None:
 
 
 def create_attention_backend(model_runner: Any) -> Any:
-    """SGLang's factory signature: the backend for one model runner."""
+    """SGLang's factory signature: the backend for one model runner. Speculative decoding through
+    hal needs hal's platform (it supplies the draft backend and runner): asked for it without
+    ``SGLANG_PLATFORM=hal``, the first runner refuses at start-up, naming the variable."""
+    from hal.errors import UnsupportedConfigError
     from hal.integrations.sglang.attention import HalAttnBackend
 
+    algorithm = getattr(model_runner, "spec_algorithm", None)
+    if algorithm is not None and not algorithm.is_none() and os.environ.get("SGLANG_PLATFORM") != NAME:
+        raise UnsupportedConfigError(
+            f"attention backend {NAME!r} serves speculative decoding ({algorithm.name}) through hal's platform: "
+            f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
+        )
     return HalAttnBackend(model_runner)
 
 

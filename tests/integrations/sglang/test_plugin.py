@@ -109,3 +109,17 @@ def test_every_listed_internal_exists_in_the_pinned_sglang() -> None:
             elif member and not member_exists(getattr(module, head), member):
                 missing.append(f"{module_name}.{name}")
     assert not missing, missing
+
+
+def test_speculative_decoding_without_hals_platform_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without SGLANG_PLATFORM=hal, SGLang's draft worker would fail later with 'EAGLE is not
+    supported in attention backend hal'; the first model runner refuses, naming the variable."""
+    import types
+
+    from hal.errors import UnsupportedConfigError
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    runner = types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.EAGLE)
+    with pytest.raises(UnsupportedConfigError, match="set SGLANG_PLATFORM=hal"):
+        plugin.create_attention_backend(runner)
