@@ -502,7 +502,7 @@ def _plot(results: Sequence[Measurement], path: Path, title: str) -> None:
     fig.suptitle("\n".join(textwrap.wrap(title + " | bars: median of paired ratios, whiskers: their range; black tick: "
                                           "target; green met, red missed, gray no target", 120)), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # long row labels widen the figure instead of being cut
     plt.close(fig)
 
 

@@ -38,7 +38,7 @@ class Measurement:
         met = "" if self.met is None else ("yes" if self.met else "**no**")
         if self.noisy:
             met = (met + " (noisy)").strip()
-        spread = "" if self.spread is None else f"{self.spread[0]:.3g}-{self.spread[1]:.3g}"
+        spread = "" if self.spread is None else f"{self.spread[0]:.3g} to {self.spread[1]:.3g}"  # signs stay readable
         return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", spread, self.ratio_of,
                 self.target, met]
 

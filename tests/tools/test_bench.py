@@ -188,7 +188,9 @@ def test_rows_report_the_spread_and_call_a_verdict_that_could_go_either_way_nois
     assert across.met and across.noisy  # the bound 1 lies inside 0.95-1.1
     clear = judged("x", 1, 1, "tok/s", [1.2, 1.25, 1.3], "hal/plain tok/s", ">= 1")
     assert clear.met and not clear.noisy
-    assert "1.2-1.3" in markdown_table([clear]) and "(noisy)" in markdown_table([across])
+    assert "1.2 to 1.3" in markdown_table([clear]) and "(noisy)" in markdown_table([across])
+    negative = judged("n", 1.0, 1.0, "ms", [-40.6, -33.2, -35.0], "difference %")
+    assert "-40.6 to -33.2" in markdown_table([negative])  # not "-40.6--33.2"
     assert better_direction(clear) == "higher" and better_direction(wide) == "lower"
 
 
