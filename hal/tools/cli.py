@@ -48,7 +48,10 @@ def positive_float(text: str) -> float:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as one line on stderr (``hal generate: argument --x: ...``), exit 2."""
+    """argparse with its errors as one line on stderr (``hal generate: argument --x: ...``), exit 2;
+    ``commands``: the sub-command parsers by name (they report their own bad options)."""
+
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message}\n")
@@ -151,15 +154,17 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     """The ``hal`` parser with one sub-command per entry of ``COMMANDS`` (imports no implementation)."""
     parser = _Parser(prog="hal", description="hal: hardware abstraction layer for LLM inference engines")
     parser.add_argument("--version", action="version", version=f"hal {hal.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}
     for name, (module_name, help_text, add_options) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module_name, _parser=p)
+        p.set_defaults(_module=module_name)
         add_options(p)
+        parser.commands[name] = p
     return parser
 
 
@@ -183,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # reported by the command that was given them (hal generate: ...), not by hal
-            (getattr(args, "_parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+            parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # --help, --version, or a bad option (one line on stderr)
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
@@ -197,20 +202,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hal {args.command}: unavailable ({exc})", file=sys.stderr)
         return 3
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # a reader that left shows here, not at interpreter exit
+        return code
     except HalError as exc:
         print(f"hal {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # e.g. an output directory that cannot be written
-        print(f"hal {args.command}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:  # the reader left (hal conformance --list | head -1): not an error
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    except OSError as exc:  # e.g. an output directory that cannot be written
+        print(f"hal {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
