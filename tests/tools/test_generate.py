@@ -184,3 +184,17 @@ def test_mtp_with_default_options_runs_in_the_backends_dtype(device: str, tmp_pa
     guarantee = Guarantee(tmp_path, hf_load(tmp_path), torch.bfloat16, PROMPTS[:1], 32)  # 32: generate's default
     assert len(got["tokens"][0]) == 32
     guarantee.check_departure(0, got["tokens"][0], guarantee.reference[0], f"hal generate on {device}")
+
+
+def test_draft_step_refusals_come_before_any_weight_loads(checkpoint, capsys, monkeypatch) -> None:
+    from hal.speculative.mimo import MiMoV2Flash
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the options were checked")
+
+    monkeypatch.setattr(MiMoV2Flash, "from_pretrained", no_loading)
+    directory, _ = checkpoint
+    assert main(["generate", "--model", str(directory), "--prompt-ids", "1,2", "--speculative", "mtp", "--num-draft-steps", "3"]) == 1
+    assert "--num-draft-steps 3: --speculative mtp needs 1..2" in capsys.readouterr().err
+    assert main(["generate", "--model", str(directory), "--prompt-ids", "1,2", "--num-draft-steps", "2"]) == 1
+    assert "--num-draft-steps 2 needs --speculative mtp" in capsys.readouterr().err
