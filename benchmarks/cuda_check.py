@@ -29,18 +29,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-import hal  # noqa: E402
-from hal.allocator import KVAllocator, RequestPageTable  # noqa: E402
-from hal.errors import BackendUnavailableError  # noqa: E402
-from hal.metadata import build_metadata  # noqa: E402
-from hal.spec import ForwardMode, KVPoolSpec, LayerSpec  # noqa: E402
-from hal.tools.testing import run_attention_case, standard_attention_cases  # noqa: E402
+import hal  # installed: backends/ imports as hal.backends only from an install
+from hal.allocator import KVAllocator, RequestPageTable
+from hal.errors import BackendUnavailableError
+from hal.metadata import build_metadata
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
+from hal.tools.testing import run_attention_case, standard_attention_cases
 
 
 def _backend(emulate: bool) -> hal.Backend:

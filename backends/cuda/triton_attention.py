@@ -43,7 +43,9 @@ def _find_request(cu_q_lens_ptr, program, num_requests, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Arguments that differ from batch to batch are not specialised on (Triton would compile a variant
+# for a value of 1 and one for multiples of 16): each variant costs seconds of compilation.
+@triton.jit(do_not_specialize=["num_requests", "window", "split_chunk", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,

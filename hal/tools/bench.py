@@ -538,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
     missed = [m.name for m in results if m.met is False]
     if missed:
         print(f"targets missed: {'; '.join(missed)}")
-    noisy = [f"{m.name} ({m.spread[0]:.3g}-{m.spread[1]:.3g})" for m in results if m.noisy and m.spread]
+    noisy = [f"{m.name} ({m.spread_text})" for m in results if m.noisy]
     if noisy:
         print(f"warning: the machine was too noisy to judge {len(noisy)} rows (paired ratios spread over more than "
               f"1.5x, or across the target); rerun with more --repeats on a quieter machine: {'; '.join(noisy)}")

@@ -67,7 +67,7 @@ def bench_vs_plain(
     shapes = [(1, 64), (4, 64)] if quick else [(b, p) for p in (64, 1024) for b in (1, 4, 8)]
     new_tokens, repeats = (8, 2) if quick else (32, 5)
     gen = torch.Generator().manual_seed(0)
-    plain = PlainDecoder(model)
+    plain = PlainDecoder(model, backend.device, model.spec.dtype)  # beside hal, on its device
     out = []
     for batch, prompt_len in shapes:
         prompts = torch.randint(1, model.config.vocab_size, (batch, prompt_len), generator=gen).tolist()

@@ -33,13 +33,17 @@ class Measurement:
             return True
         return bool(self.target) and low <= float(self.target.split()[-1]) <= high
 
+    @property
+    def spread_text(self) -> str:
+        """The spread as 'low to high' (a dash would garble negative bounds), '' where there is none."""
+        return "" if self.spread is None else f"{self.spread[0]:.3g} to {self.spread[1]:.3g}"
+
     def cells(self) -> list[str]:
         """The row's cells in ``HEADER`` order."""
         met = "" if self.met is None else ("yes" if self.met else "**no**")
         if self.noisy:
             met = (met + " (noisy)").strip()
-        spread = "" if self.spread is None else f"{self.spread[0]:.3g} to {self.spread[1]:.3g}"  # signs stay readable
-        return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", spread, self.ratio_of,
+        return [self.name, _fmt(self.hal), _fmt(self.baseline), self.unit, f"{self.ratio:.3g}", self.spread_text, self.ratio_of,
                 self.target, met]
 
 
