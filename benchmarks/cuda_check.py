@@ -5,7 +5,7 @@
 
 1. Conformance: the ``hal.tools.testing`` cases (every forward mode, sinks, SWA, hybrid SWA pool, GQA,
    qk != v and non-power-of-two dims, pages 16 and 64, fp32 / fp16 / bf16) run natively and are
-   compared with the CPU reference.
+   compared with the oracle (hal.oracle).
 2. Attention: the Triton paged kernel vs dense ``scaled_dot_product_attention`` over the same K/V
    gathered out of the pages beforehand (decode and prefill), after checking they agree.
 3. Split-KV: decode with MiMo-V2-Flash's full-layer heads at TP 4 (16 q heads, 1 kv head, qk 192,
@@ -94,7 +94,7 @@ def check_conformance(be: hal.Backend, quick: bool, emulate: bool) -> int:
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), result.max_abs_err)
         if not result.passed:
             failures.append(f"  FAIL {case.describe()}: {result.detail}")
-    print(f"conformance: {len(cases) - len(failures)}/{len(cases)} cases match the CPU reference")
+    print(f"conformance: {len(cases) - len(failures)}/{len(cases)} cases match the oracle")
     for dtype, err in worst.items():
         print(f"  max |err| {str(dtype).replace('torch.', '')}: {err:.3g}")
     for line in failures[:20]:

@@ -97,7 +97,7 @@ class AttentionKernelBase:
         sinks: torch.Tensor | None,
         **options: Any,
     ) -> torch.Tensor:
-        """Call a kernel with ``hal.reference.paged_attention``'s signature on this layer's sub-pool:
+        """Call a kernel with ``hal.oracle.paged_oracle``'s signature on this layer's sub-pool:
         ``paged_attention(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, scaling=...,
         sliding_window=..., sinks=..., **options)``."""
         return paged_attention(

@@ -52,7 +52,7 @@ class BatchTooLargeError(GraphError, ValueError):
 
 
 class ResultMismatchError(HalError, AssertionError):
-    """A backend computed something other than the reference (``hal bench`` will not time it)."""
+    """A backend computed something other than the oracle or the baseline it is timed against (``hal bench`` will not time it)."""
 
 
 class CheckpointError(HalError, ValueError):

@@ -31,7 +31,8 @@ Adding a backend (device type ``mydev``; ``tests/tools/oot_backend/site/hal_oot_
        mydev = "my_package.backend:MyBackend"
 
    or at run time: ``hal.register_backend("mydev", "my_package.backend:MyBackend")``.
-7. **Check** it: ``hal info`` (availability and why), then ``hal conformance --device mydev``.
+7. **Check** it: ``hal info`` (availability and why), then ``hal conformance --device mydev``, which
+   holds your kernel to ``paged_oracle`` (``hal.oracle``: the definition, as dense float64 math).
 """
 
 from hal.attention import AttentionKernelBase
@@ -49,7 +50,7 @@ from hal.graph import EagerGraph, GraphBase, GraphUpdate, copy_into, is_capturin
 from hal.kv_pool import SplitKVPool, copy_rows
 from hal.metadata import AttentionMetadata
 from hal.protocols import Availability, KVPool
-from hal.reference import GatherWorkspace, paged_attention, plan_attention
+from hal.oracle import OracleAttention, dense_attention, paged_oracle
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
 
 __all__ = [
@@ -61,7 +62,6 @@ __all__ = [
     "CacheLocationError",
     "EagerGraph",
     "ForwardMode",
-    "GatherWorkspace",
     "GraphBase",
     "GraphError",
     "GraphUpdate",
@@ -70,6 +70,7 @@ __all__ = [
     "KVPool",
     "KVPoolSpec",
     "LayerSpec",
+    "OracleAttention",
     "SpecError",
     "SplitKVPool",
     "UnsupportedConfigError",
@@ -77,6 +78,6 @@ __all__ = [
     "copy_rows",
     "host_memory_bytes",
     "is_capturing",
-    "paged_attention",
-    "plan_attention",
+    "dense_attention",
+    "paged_oracle",
 ]

@@ -6,8 +6,9 @@ predict ``token[p + k + 2]`` of the target's greedy continuation. The target is 
 its own greedy output (generated through hal on the CPU backend), so a perfect MTP block would be
 accepted every time.
 
-Training uses hal's reference attention math (``hal.reference.paged_attention``, differentiable)
-over equal-length sequences, so window, sink and masking semantics are the ones inference uses.
+Training runs attention through hal's oracle (``hal.oracle.dense_attention``, differentiable, in
+float32) over equal-length sequences, so window, sink and masking semantics are the ones every
+backend is held to at inference.
 Trained weights are cached under ``<tmp>/hal-mtp-cache`` keyed by the model config (seed
 included), a fingerprint of the target weights and the training settings.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from hal.reference import paged_attention
+from hal.oracle import dense_attention
 from hal.errors import SpecError
 from hal.spec import LayerSpec
 from hal.speculative.model import TinyMiMo
@@ -71,37 +72,22 @@ class DistillReport:
 
 
 class DenseAttend:
-    """Causal attention over ``num_seqs`` packed sequences of ``seq_len`` tokens, differentiably.
-
-    Each sequence is one page of the reference kernel's paged layout, so the same masking
-    (window, sinks) as inference applies, and gradients flow to q, k, v and the sinks.
-    """
+    """Causal attention over ``num_seqs`` packed sequences of ``seq_len`` tokens, differentiably:
+    ``hal.oracle.dense_attention`` in float32 (float64 inputs: float64), so the same masking (window,
+    sinks) as inference applies, and gradients flow to q, k, v and the sinks."""
 
     def __init__(self, num_seqs: int, seq_len: int, device: torch.device | str = "cpu") -> None:
         self.num_seqs, self.seq_len = num_seqs, seq_len
-        self.block_table = torch.arange(1, num_seqs + 1, dtype=torch.int32, device=device)[:, None]
-        self.kv_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
-        self.cu_q_lens = (torch.arange(num_seqs + 1, device=device) * seq_len).to(torch.int32)
         self.positions = torch.arange(seq_len, device=device).repeat(num_seqs)
-
-    def _paged(self, x: torch.Tensor) -> torch.Tensor:
-        pages = x.view(self.num_seqs, self.seq_len, *x.shape[1:])
-        return torch.cat([torch.zeros_like(pages[:1]), pages])  # page 0 = padding page
 
     def __call__(
         self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        return paged_attention(
-            q,
-            self._paged(k),
-            self._paged(v),
-            self.block_table,
-            self.kv_lens,
-            self.cu_q_lens,
-            scaling=layer.scaling,
-            sliding_window=layer.sliding_window,
-            sinks=sinks,
-        )
+        keys = k.view(self.num_seqs, self.seq_len, *k.shape[1:]).unbind(0)
+        values = v.view(self.num_seqs, self.seq_len, *v.shape[1:]).unbind(0)
+        return dense_attention(q, keys, values, [self.seq_len] * self.num_seqs, scaling=layer.scaling,
+                               sliding_window=layer.sliding_window, sinks=sinks,
+                               compute_dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
 
 
 def greedy_sequences(

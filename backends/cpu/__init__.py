@@ -1,4 +1,4 @@
-"""The CPU reference backend: pure torch, the conformance oracle and ``hal demo``'s default."""
+"""The CPU backend: pure torch, ``hal demo``'s default; held to ``hal.oracle`` like every backend."""
 
 from __future__ import annotations
 

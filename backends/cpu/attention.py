@@ -1,4 +1,4 @@
-"""The CPU backend's kernel: hal's reference ``paged_attention`` on the pool, with a gather workspace."""
+"""The CPU backend's kernel: ``paged_attention`` (this package's) on the pool, with a gather workspace."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 
-from hal.sdk import AttentionKernelBase, AttentionMetadata, GatherWorkspace, KVPool, LayerSpec, paged_attention, plan_attention
+from hal.backends.cpu.paged_attention import GatherWorkspace, paged_attention, plan_attention
+from hal.sdk import AttentionKernelBase, AttentionMetadata, KVPool, LayerSpec
 
 
 class CpuAttention(AttentionKernelBase):
-    """Reference ``AttentionKernel``: ``paged_attention`` over the layer's sub-pool.
+    """The CPU ``AttentionKernel``: ``paged_attention`` over the layer's sub-pool.
 
     Threading: safe to call from several threads at once; each thread gathers into its own
     workspace (a shared one would let one thread's gather overwrite another's K/V mid-matmul).
@@ -37,7 +38,7 @@ class CpuAttention(AttentionKernelBase):
         # torch's fused attention takes no sink logit, and is slower than the explicit matmuls where
         # the qk and v head dims differ
         fused = sinks is None and dk == dv
-        key = ("reference-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
+        key = ("cpu-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
 
         def plan() -> Any:
             return plan_attention(metadata.kv_lens_cpu, metadata.q_lens_cpu, table, self.pool.spec.page_size,

@@ -291,7 +291,7 @@ def paged_attention(
     query_rows_hint: int,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Launch the kernel; same contract as ``hal.reference.paged_attention``.
+    """Launch the kernel; same contract as ``hal.oracle.paged_oracle``.
 
     ``query_rows_hint`` (rows per request, e.g. 1 for decode) only sizes tiles; it must stay the
     same across replays of a captured graph, so pass a value fixed by the mode and shapes.

@@ -8,7 +8,7 @@ alike and only the *ratio* is reported against a target:
 - paged attention (decode, extend) vs ``torch.nn.functional.scaled_dot_product_attention``
   on the same K/V gathered densely (decode target: <= 1.5x the SDPA time);
 - dispatch: a forward through hal's objects (metadata, validation, pool, kernel) vs the same
-  torch ops called directly (target: <= 2% overhead; CPU reference kernel only);
+  torch ops called directly (target: <= 2% overhead; CPU kernel only);
 - memory: split K/V bytes per token vs one buffer padded to max(head_dim, v_head_dim), for
   MiMo-V2-Flash's real dims;
 - with ``--speculative``: plain greedy vs the MTP worker of ``hal.speculative`` (imported only then).
@@ -296,7 +296,7 @@ def bench_attention(s: _Setup, mode: ForwardMode, *, window: int | None = None, 
 def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]] | None:
     """(forward through hal, the same ops called directly, metadata build) for one decode step."""
     from hal.backends.cpu.attention import CpuAttention
-    from hal.reference import GatherWorkspace, paged_attention, plan_attention
+    from hal.backends.cpu.paged_attention import GatherWorkspace, paged_attention, plan_attention
     from hal.kv_pool import copy_rows
 
     c, layer = s.cfg, s.layer()
@@ -335,7 +335,7 @@ def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any
 
 
 def bench_dispatch(s: _Setup) -> list[Measurement]:
-    """A decode forward through hal's objects vs the reference's torch ops called directly.
+    """A decode forward through hal's objects vs the CPU kernel's torch ops called directly.
 
     Both sides get the step's tensors ready-made (an engine builds the metadata once per step
     and shares it across layers); the metadata build is reported separately, per step. hal's
@@ -512,8 +512,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hal bench: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
     if args.transformers and importlib.util.find_spec("transformers") is None:
-        print("hal bench: --transformers needs transformers (pip install --no-deps transformers==5.25.0 and "
-              ".ci/oracle-requirements.txt)", file=sys.stderr)
+        print("hal bench: --transformers needs transformers (pip install -e '.[oracle]' && "
+              "pip install --no-deps transformers==5.25.0)", file=sys.stderr)
         return 3
     if importlib.util.find_spec("matplotlib") is None:
         print("hal bench: matplotlib is needed for results.png (pip install 'hal[bench]')", file=sys.stderr)

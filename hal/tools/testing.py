@@ -1,8 +1,9 @@
-"""Building blocks of the conformance suite: random cases checked against the CPU reference.
+"""Building blocks of the conformance suite: random cases checked against the oracle.
 
-A case fills a backend's pool and a CPU reference pool with the same prefix K/V (pages
-shuffled, so block tables are not contiguous), runs one attention forward on both, and
-compares outputs and the written cache with a per-dtype tolerance.
+A case fills a backend's pool and a CPU pool with the same prefix K/V (pages shuffled, so block
+tables are not contiguous), runs one attention forward through the backend's kernel and through
+``hal.oracle.OracleAttention`` on the CPU pool, and compares outputs and the written cache with a
+per-dtype tolerance.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 
 from hal.allocator import KVAllocator, RequestPageTable
 from hal.metadata import AttentionMetadata, build_metadata
+from hal.oracle import OracleAttention
 from hal.protocols import AttentionKernel, Backend, KVPool
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
 
-# (atol, rtol) for outputs compared to the fp32-math reference on the same stored inputs:
-# about two ulps of the output dtype at magnitude 1.
+# (atol, rtol) for outputs compared to the oracle's on the same stored inputs (rounded to the
+# output dtype): about two ulps of the output dtype at magnitude 1.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (2e-5, 2e-5),
     torch.float16: (2e-3, 2e-3),
@@ -127,11 +129,12 @@ def pool_spec_for(case: AttentionCase, extra_pages: int = 3) -> KVPoolSpec:
     return KVPoolSpec(num_layers, size, case.page_size, lay.num_kv_heads, lay.head_dim, lay.v_head_dim, case.dtype)
 
 
-def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | None = None) -> tuple[PreparedCase, PreparedCase]:
-    """Materialise ``case`` on ``backend`` and on the CPU reference, with identical contents."""
+def prepare_case(backend: Backend, case: AttentionCase) -> tuple[PreparedCase, PreparedCase]:
+    """Materialise ``case`` on ``backend`` and on a CPU pool whose kernel is the oracle, with
+    identical contents: (the backend's, the oracle's)."""
     from hal.backends.cpu import CpuBackend
 
-    reference = reference if reference is not None else cast(Backend, CpuBackend())
+    oracle_side = cast(Backend, CpuBackend())
     lay = case.layer
     spec = pool_spec_for(case)
     gen = torch.Generator().manual_seed(case.seed)
@@ -139,7 +142,7 @@ def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | 
     prepared = []
     # Same page assignment in both pools: allocate, then shuffle identically.
     page_lists: list[list[int]] | None = None
-    for be in (backend, reference):
+    for be in (backend, oracle_side):
         pool = be.create_kv_pool(spec)
         table = RequestPageTable(KVAllocator(pool))
         for r, n in enumerate(case.kv_lens):
@@ -185,7 +188,7 @@ def prepare_case(backend: Backend, case: AttentionCase, *, reference: Backend | 
         out.append(
             PreparedCase(
                 pool,
-                be.create_attention(pool),
+                OracleAttention(pool) if be is oracle_side else be.create_attention(pool),
                 md,
                 q.to(dev),
                 k.to(dev),
@@ -210,13 +213,13 @@ def poison_unseen_rows(pool: KVPool, layer: int, stored: torch.Tensor) -> None:
 
 
 def run_attention_case(backend: Backend, case: AttentionCase, *, poison_unseen: bool = False) -> CaseResult:
-    """Run ``case`` on ``backend`` and the CPU reference; compare outputs and the written cache.
+    """Run ``case`` on ``backend`` and through the oracle; compare outputs and the written cache.
 
     The cache check needs no zero-initialised pool: the rows of every stored token must equal
-    the reference's, and every other row must be what it was before the forward. With
+    the oracle pool's, and every other row must be what it was before the forward. With
     ``poison_unseen`` the backend's pool holds NaN/inf in every row no token of the case owns
     (``poison_unseen_rows``); nothing a row cannot see may reach its output, so the output must
-    still equal the reference's over a clean pool.
+    still equal the oracle's over a clean pool.
     """
     got, ref = prepare_case(backend, case)
     lay = case.layer
@@ -242,7 +245,7 @@ def run_attention_case(backend: Backend, case: AttentionCase, *, poison_unseen: 
     for name, before, after, expected in (("K", before_k, after_k, ref_k), ("V", before_v, after_v, ref_v)):
         if not torch.equal(after[got_rows], expected):
             ok = False
-            detail += f"; cached {name} of the case's tokens differs from the reference"
+            detail += f"; cached {name} of the case's tokens differs from the oracle pool's"
         untouched = torch.ones(after.shape[0], dtype=torch.bool)
         untouched[got_rows] = False
         if not _same_with_nan(after[untouched], before[untouched]):

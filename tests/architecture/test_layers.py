@@ -142,7 +142,7 @@ def test_the_scanner_reads_every_layer() -> None:
         ("hal/metadata.py", "from hal.backends.cpu import CpuBackend"),
         ("hal/graph_runner.py", "def f():\n    import hal.speculative.engine"),
         ("hal/registry.py", "from hal.tools import cli"),
-        ("hal/reference.py", "from hal import tools"),
+        ("hal/oracle.py", "from hal import tools"),
         ("hal/spec.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hal.tools.testing import TOLERANCE"),
         ("backends/cuda/__init__.py", "from hal.backends.cpu.attention import CpuAttention"),
         ("backends/npu/graph.py", "from ..cuda import graph"),

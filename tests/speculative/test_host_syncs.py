@@ -25,10 +25,10 @@ EVERY_FUNCTION = None
 PER_LAYER: dict[str, set[str] | None] = {
     "hal/attention.py": EVERY_FUNCTION,
     "hal/validation.py": EVERY_FUNCTION,
-    "hal/reference.py": {"paged_attention", "_attend_group", "_gather_pages", "_per_kv_head_matmul", "take"},
     "hal/kv_pool.py": {"set_kv_for_forward", "_write_rows", "copy_rows", "_wide_rows", "translate_loc", "_validate",
                        "k_buffer", "v_buffer", "is_swa_layer", "_check_layer"},
     "backends/cpu/attention.py": EVERY_FUNCTION,
+    "backends/cpu/paged_attention.py": {"paged_attention", "_attend_group", "_gather_pages", "_per_kv_head_matmul", "take"},
     "backends/cpu/kv_pool.py": EVERY_FUNCTION,
     "backends/cuda/attention.py": EVERY_FUNCTION,
     "backends/cuda/kv_pool.py": EVERY_FUNCTION,

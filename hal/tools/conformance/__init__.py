@@ -1,4 +1,6 @@
-"""The conformance suite: one set of checks every backend must pass, against the CPU reference.
+"""The conformance suite: one set of checks every backend must pass, against the oracle
+(``hal.oracle``: attention by its definition, as dense float64 math). The CPU backend is held to
+it like every other.
 
 Run it on any registered backend, third-party ones included::
 
@@ -16,20 +18,20 @@ What it checks (each check lists the features it exercises; the report counts pe
   change nothing.
 - Attention: every forward mode crossed with sliding window, sinks, hybrid SWA pools, GQA,
   qk_head_dim != v_head_dim, page sizes 16/64/128 and float32/float16/bfloat16, each compared
-  with ``hal.reference.paged_attention`` on identical pool contents (``hal.tools.testing``). Outputs
+  with ``hal.oracle.paged_oracle`` on identical pool contents (``hal.tools.testing``). Outputs
   must agree within ``hal.tools.testing.TOLERANCE[dtype]`` (about two ulps of the output dtype at
   magnitude 1: fp32 2e-5, fp16 2e-3, bf16 1.6e-2, absolute and relative); cached K/V must be
   bit-identical and rows of no token must stay untouched.
 - Unseen slots: the quick attention cases again over a pool whose rows that no token of the case
   owns hold NaN (K) and inf (V), padding page included, as a reused page may: the output must
-  equal the reference's over a clean pool and be finite (a kernel that reads a page's tail or a
+  equal the oracle's over a clean pool and be finite (a kernel that reads a page's tail or a
   shared window must mask, not multiply by zero: 0 x NaN is NaN).
 - Graphs, through ``hal.GraphRunner`` on the backend's own ``Graph``: a DECODE loop and a
   synthetic MTP loop (TARGET_VERIFY over S + 1 tokens, then S DRAFT_EXTEND_V2 steps, each fed
   by the previous step's output) with kv lengths growing and the batch changing between
   replays, padded batches and the eager fallback above the largest captured size. At every
   step the replayed result must equal the backend's eager result, which must equal the
-  reference; padded rows may write the padding page only.
+  oracle's; padded rows may write the padding page only.
 - Errors: bad attention inputs and graph misuse raise the documented ``hal.errors`` types
   and leave the cache unchanged.
 

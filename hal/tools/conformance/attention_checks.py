@@ -1,5 +1,5 @@
 """Attention checks: every forward mode crossed with window, sinks, hybrid pools, GQA, head dims, page
-sizes and dtypes, each against the CPU reference on identical pool contents."""
+sizes and dtypes, each against the oracle on identical pool contents."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _case_features(case: AttentionCase) -> tuple[str, ...]:
 
 
 def attention_check(case: AttentionCase, *, poison_unseen: bool = False) -> Check:
-    """``case`` against the reference; with ``poison_unseen``, over a pool whose rows that no token
+    """``case`` against the oracle; with ``poison_unseen``, over a pool whose rows that no token
     of the case owns hold NaN (K) and inf (V): pages are reused, and a kernel that reads a page's
     tail or a shared window must mask those values out, not multiply them by zero."""
 

@@ -1,5 +1,5 @@
 """Graph checks: a synthetic decode loop and a synthetic MTP loop through ``hal.GraphRunner``, eager vs
-replayed vs the CPU reference, with growing lengths, changing batches, padding and the eager fallback."""
+replayed vs the oracle, with growing lengths, changing batches, padding and the eager fallback."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hal.allocator import KVAllocator, RequestPageTable
 from hal.errors import BatchTooLargeError, GraphError
 from hal.graph_runner import GraphRunner
 from hal.metadata import AttentionMetadata, build_metadata
+from hal.oracle import OracleAttention
 from hal.protocols import AttentionKernel, Backend
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
 from hal.tools.testing import kv_rows, read_kv
@@ -137,7 +138,7 @@ def _loop_pool_spec(cfg: LoopConfig, plan: Sequence[_Iteration], max_pages: int)
 class _LoopWorld:
     """One run of the loop on one backend, eagerly or through GraphRunners; records every output."""
 
-    def __init__(self, backend: Backend, cfg: LoopConfig, *, use_graphs: bool) -> None:
+    def __init__(self, backend: Backend, cfg: LoopConfig, *, use_graphs: bool, oracle: bool = False) -> None:
         self.backend = backend
         self.cfg = cfg
         self.plan, self.max_pages = _schedule(cfg)
@@ -147,7 +148,7 @@ class _LoopWorld:
         for layer in range(self.pool.spec.num_layers):
             for name, buffer in (("k", self.pool.k_buffer(layer)), ("v", self.pool.v_buffer(layer))):
                 buffer.copy_(randn(buffer.shape, cfg.dtype, cfg, "garbage", name, layer).to(self.pool.device))
-        self.attn: AttentionKernel = backend.create_attention(self.pool)
+        self.attn: AttentionKernel = OracleAttention(self.pool) if oracle else backend.create_attention(self.pool)
         self.table = RequestPageTable(KVAllocator(self.pool))
         self.device = self.pool.device
         self.lengths: dict[int, int] = {}
@@ -316,11 +317,11 @@ def _check_loop(backend: Backend, cfg: LoopConfig) -> None:
     from hal.backends.cpu import CpuBackend
 
     graphed = _LoopWorld(backend, cfg, use_graphs=True)  # first: a backend without graphs says so up front
-    reference = _LoopWorld(cast(Backend, CpuBackend()), cfg, use_graphs=False)
-    reference.run()
+    oracle = _LoopWorld(cast(Backend, CpuBackend()), cfg, use_graphs=False, oracle=True)
+    oracle.run()
     eager = _LoopWorld(backend, cfg, use_graphs=False)
     eager.run()
-    _compare_worlds(eager, reference, "eager vs the CPU reference")
+    _compare_worlds(eager, oracle, "eager vs the oracle")
     graphed.run()
     if graphed.problems:
         fail(graphed.problems[0])

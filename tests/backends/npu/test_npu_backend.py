@@ -1,5 +1,5 @@
 """The NPU backend (backends/npu) through the torch_npu emulator: registry and availability,
-agreement with the CPU reference for every mode and feature, the KV pool, and NPUGraph capture
+agreement with the oracle for every mode and feature, the KV pool, and NPUGraph capture
 driven by the device-neutral GraphRunner."""
 
 from __future__ import annotations

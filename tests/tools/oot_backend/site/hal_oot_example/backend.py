@@ -22,7 +22,7 @@ from hal.sdk import (
     LayerSpec,
     SplitKVPool,
     copy_into,
-    paged_attention,
+    paged_oracle,
 )
 
 T = TypeVar("T")
@@ -78,7 +78,7 @@ class HostLenAttention(AttentionKernelBase):
         if feed is not None:
             params = next(feed)  # replay: the baked (or updated) host arguments of this call
         dev = q.device
-        return paged_attention(
+        return paged_oracle(  # the definition itself, as this example's "device op"
             q,
             self.pool.k_buffer(layer.layer_id),
             self.pool.v_buffer(layer.layer_id),
@@ -88,7 +88,7 @@ class HostLenAttention(AttentionKernelBase):
             scaling=layer.scaling,
             sliding_window=layer.sliding_window,
             sinks=sinks,
-        )
+        ).to(q.dtype)
 
 
 class ReplayGraph(GraphBase):

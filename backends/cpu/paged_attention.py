@@ -1,6 +1,7 @@
-"""The reference paged attention: pure torch, vectorised over the batch, fp32 math.
+"""The CPU backend's paged attention: pure torch, vectorised over the batch, fp32 math.
 
-The oracle every backend is held against (``hal conformance``) and the CPU backend's kernel.
+Held to ``hal.oracle`` like every other backend's kernel (``hal conformance``,
+``tests/backends/cpu``); differentiable, for callers that train through it.
 
 Work is laid out once per forward by ``plan_attention`` (from host-side lengths, no device read)
 and shared by every layer of the same kind: query rows are cut into tiles (a whole request in
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from hal.errors import SpecError
+from hal.sdk import SpecError
 
 # Tiles of one group are attended together; a group's gathered fp32 K/V stays about this size, so
 # the gathered copy stays in cache for the matmuls that read it (up to 1.4x faster than one
