@@ -9,13 +9,11 @@ import torch
 
 from hal.errors import CacheLocationError, OutOfPagesError, SpecError
 from hal.protocols import KVPool
-from hal.spec import strict_int, strict_ints
+from hal.spec import int_at_least, strict_int, strict_ints
 
 
 def _page_count(n: object, what: str = "alloc: page count") -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise SpecError(f"{what} must be an int >= 0, got {n!r}")
-    return n
+    return int_at_least(n, 0, what)
 
 
 class PageAllocator:

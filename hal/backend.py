@@ -17,7 +17,7 @@ from hal.errors import SpecError, UnsupportedConfigError
 from hal.graph import EagerGraph, GraphBase
 from hal.kv_pool import SplitKVPool, check_pool_size
 from hal.protocols import Availability, AttentionKernel, KVPool
-from hal.spec import FLOAT_DTYPES, KVPoolSpec, LayerSpec
+from hal.spec import FLOAT_DTYPES, KVPoolSpec, LayerSpec, int_at_least
 
 def host_memory_bytes() -> int | None:
     """The host's physical memory in bytes (None where the OS does not say)."""
@@ -81,8 +81,7 @@ class BackendBase:
     def for_rank(self, local_rank: int) -> BackendBase:
         """This backend for local rank ``local_rank`` of a tensor-parallel group: device
         ``index + local_rank`` (the same backend where tensors live in host memory)."""
-        if not isinstance(local_rank, int) or isinstance(local_rank, bool) or local_rank < 0:
-            raise SpecError(f"for_rank: local_rank must be an int >= 0, got {local_rank!r}")
+        local_rank = int_at_least(local_rank, 0, "for_rank: local_rank")
         if self.host_memory or local_rank == 0:
             return self
         return type(self)((self.index or 0) + local_rank)

@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from hal.errors import DistributedError, SpecError
+from hal.spec import int_at_least
 
 
 @attrs.frozen
@@ -83,7 +84,9 @@ def init_tensor_parallel(
     ``init_method`` defaults to ``env://`` (torchrun's ``MASTER_ADDR`` / ``MASTER_PORT``). Every
     collective of the group raises after ``timeout_s`` seconds without its peers.
     """
-    if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+    world_size = int_at_least(world_size, 1, "world_size", DistributedError)
+    rank = int_at_least(rank, 0, "rank", DistributedError)
+    if rank >= world_size:
         raise DistributedError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
     local = rank if local_rank is None else local_rank
     if world_size == 1:

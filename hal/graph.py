@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from hal.errors import GraphError
+from hal.spec import int_at_least
 
 _state = threading.local()
 T = TypeVar("T")
@@ -120,9 +121,7 @@ class GraphBase:
     takes_host_params: ClassVar[bool] = False
 
     def __init__(self, *, warmup_runs: int = 0, tp_group: Any = None) -> None:
-        if not isinstance(warmup_runs, int) or isinstance(warmup_runs, bool) or warmup_runs < 0:
-            raise GraphError(f"{type(self).__name__}.warmup_runs must be an int >= 0, got {warmup_runs!r}")
-        self.warmup_runs = warmup_runs
+        self.warmup_runs = int_at_least(warmup_runs, 0, f"{type(self).__name__}.warmup_runs", GraphError)
         self.tp_group = tp_group
         self.captured_calls: list[tuple[Any, Any]] = []
         self._outputs: Any = None

@@ -15,7 +15,7 @@ from hal.errors import BatchTooLargeError, GraphError, SpecError
 from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
 from hal.protocols import AttentionKernel, Backend, Graph
-from hal.spec import ForwardMode, strict_int
+from hal.spec import ForwardMode, int_at_least
 
 Forward = Callable[[Mapping[str, torch.Tensor], AttentionMetadata], Any]
 
@@ -165,18 +165,13 @@ class GraphRunner:
             raise SpecError(f"GraphRunner: mode must be a hal.ForwardMode, got {mode!r}")
         if not mode.has_uniform_query_len() or mode.is_idle():
             raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
-        tokens_per_request = strict_int(tokens_per_request, "GraphRunner.tokens_per_request")
-        max_pages_per_request = strict_int(max_pages_per_request, "GraphRunner.max_pages_per_request")
-        if tokens_per_request < 1 or max_pages_per_request < 1:
-            raise SpecError(
-                f"GraphRunner: tokens_per_request={tokens_per_request} and max_pages_per_request="
-                f"{max_pages_per_request} must both be >= 1"
-            )
+        tokens_per_request = int_at_least(tokens_per_request, 1, "GraphRunner.tokens_per_request")
+        max_pages_per_request = int_at_least(max_pages_per_request, 1, "GraphRunner.max_pages_per_request")
         if mode.is_decode() and tokens_per_request != 1:
             raise SpecError(f"GraphRunner: DECODE has 1 token per request, got tokens_per_request={tokens_per_request}")
-        sizes = sorted(set(strict_int(b, "GraphRunner.batch_sizes entry") for b in batch_sizes))
-        if not sizes or sizes[0] <= 0:
-            raise SpecError(f"GraphRunner.batch_sizes must be positive ints, got {list(batch_sizes)}")
+        sizes = sorted(set(int_at_least(b, 1, "GraphRunner.batch_sizes entry") for b in batch_sizes))
+        if not sizes:
+            raise SpecError("GraphRunner.batch_sizes is empty: give at least one batch size to capture")
         self.backend = backend
         self.forward = forward
         self.attention = attention
@@ -185,9 +180,9 @@ class GraphRunner:
         self.batch_sizes = sizes
         self.max_pages_per_request = max_pages_per_request
         self.fill = attention.seq_len_fill_value if seq_len_fill_value is None else seq_len_fill_value
-        if not isinstance(self.fill, int) or self.fill < 1:
+        if not isinstance(self.fill, int) or isinstance(self.fill, bool) or self.fill < 1:
             raise SpecError(
-                f"GraphRunner: seq_len_fill_value={self.fill!r} must be an int >= 1: kv_lens include the "
+                f"GraphRunner: seq_len_fill_value must be an int >= 1, got {self.fill!r}: kv_lens include the "
                 "new tokens, so a padded request's first token sees at least itself"
             )
         self.eager_fallback = eager_fallback

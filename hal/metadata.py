@@ -25,7 +25,7 @@ import torch
 
 from hal.errors import KVLayoutError, SpecError
 from hal.graph import capture_id, is_capturing
-from hal.spec import ForwardMode, KVPoolSpec, strict_int, strict_ints
+from hal.spec import ForwardMode, KVPoolSpec, int_at_least, strict_int, strict_ints
 
 T = TypeVar("T")
 
@@ -220,9 +220,7 @@ def build_metadata(
         device = pool.device if device is None else device
     if page_size is None:
         raise SpecError("build_metadata needs page_size (or a pool)")
-    page_size = strict_int(page_size, "build_metadata: page_size")
-    if page_size < 1:
-        raise SpecError(f"build_metadata: page_size must be >= 1, got {page_size}")
+    page_size = int_at_least(page_size, 1, "build_metadata: page_size")
     if max_pages is not None:
         max_pages = strict_int(max_pages, "build_metadata: max_pages")
     device = torch.device("cpu") if device is None else torch.device(device)
@@ -418,9 +416,9 @@ def pad_metadata(
     b = metadata.batch_size
     if batch_size < b:
         raise SpecError(f"pad_metadata: batch_size={batch_size} is below the real batch of {b}")
-    if not isinstance(fill, int) or fill < 1:
+    if not isinstance(fill, int) or isinstance(fill, bool) or fill < 1:
         raise SpecError(
-            f"pad_metadata: fill={fill!r} must be an int >= 1 (kv_lens include the new tokens, so a "
+            f"pad_metadata: fill must be an int >= 1, got {fill!r} (kv_lens include the new tokens, so a "
             "padded request's first token sees at least itself)"
         )
     if b and q_len is not None and q_len != metadata.q_lens_cpu[0]:

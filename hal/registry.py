@@ -201,10 +201,7 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
             cached = _instances[key]
             if _probe(type(cached)).available:
                 return cached  # type: ignore[no-any-return]
-            if emulate:
-                type(cached).install_emulation()  # its stand-in was uninstalled since (tests do)
-                return cached  # type: ignore[no-any-return]
-            del _instances[key]  # the runtime it was built on has gone (e.g. an emulator uninstalled)
+            del _instances[key]  # the runtime it was built on has gone (e.g. an emulator uninstalled): build anew
         cls = backend_class(device_type)
         if emulate:
             install = getattr(cls, "install_emulation", None)

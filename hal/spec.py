@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from hal.errors import KVLayoutError, SpecError
+from hal.errors import HalError, KVLayoutError, SpecError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -69,11 +69,9 @@ class ForwardMode(enum.IntEnum):
         )
 
 
-def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(
-            f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}"
-        )
+def positive_field(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """attrs validator: the field is an int >= 1 (``int_at_least``)."""
+    int_at_least(value, 1, f"{type(instance).__name__}.{attribute.name}")
 
 
 def strict_int(value: Any, what: str) -> int:
@@ -87,6 +85,18 @@ def strict_int(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise SpecError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def int_at_least(value: Any, minimum: int, what: str, error: type[HalError] = SpecError) -> int:
+    """``value`` as an int (``strict_int``'s rules: no bool, no float) that is at least ``minimum``;
+    else ``error`` naming ``what``, the bound and the value."""
+    try:
+        number = strict_int(value, what)
+    except SpecError:
+        number = None
+    if number is None or number < minimum:
+        raise error(f"{what} must be an int >= {minimum}, got {value!r}")
+    return number
 
 
 def strict_ints(values: Any, what: str) -> tuple[int, ...]:
@@ -122,18 +132,17 @@ class LayerSpec:
     """One attention layer as the kernel sees it."""
 
     layer_id: int = attrs.field()
-    num_q_heads: int = attrs.field(validator=_positive)
-    num_kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)  # q/k head dim
-    v_head_dim: int = attrs.field(validator=_positive)
+    num_q_heads: int = attrs.field(validator=positive_field)
+    num_kv_heads: int = attrs.field(validator=positive_field)
+    head_dim: int = attrs.field(validator=positive_field)  # q/k head dim
+    v_head_dim: int = attrs.field(validator=positive_field)
     scaling: float = attrs.field()  # softmax scale applied to q.k
     sliding_window: int | None = attrs.field(default=None)  # W: see the module docstring
     has_sinks: bool = attrs.field(default=False)  # per-head learnable sink logit
 
     @layer_id.validator
     def _check_layer_id(self, attribute: attrs.Attribute, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise SpecError(f"LayerSpec.layer_id must be an int >= 0, got {value!r}")
+        int_at_least(value, 0, "LayerSpec.layer_id")
 
     @num_kv_heads.validator
     def _check_gqa(self, attribute: attrs.Attribute, value: int) -> None:
@@ -150,8 +159,8 @@ class LayerSpec:
 
     @sliding_window.validator
     def _check_window(self, attribute: attrs.Attribute, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise SpecError(f"LayerSpec.sliding_window must be None or an int >= 0, got {value!r}")
+        if value is not None:
+            int_at_least(value, 0, "LayerSpec.sliding_window (None: no window)")
 
     @property
     def is_swa(self) -> bool:
@@ -169,10 +178,10 @@ class SWAPoolSpec:
     """The sliding-window part of a hybrid pool: its own (smaller) size and head config."""
 
     layer_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    size: int = attrs.field(validator=_positive)  # tokens
-    kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
-    v_head_dim: int = attrs.field(validator=_positive)
+    size: int = attrs.field(validator=positive_field)  # tokens
+    kv_heads: int = attrs.field(validator=positive_field)
+    head_dim: int = attrs.field(validator=positive_field)
+    v_head_dim: int = attrs.field(validator=positive_field)
 
     @layer_ids.validator
     def _check_ids(self, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
@@ -186,18 +195,18 @@ class SWAPoolSpec:
 class KVPoolSpec:
     """A paged, split-K/V pool. ``size`` counts tokens (excluding the padding page)."""
 
-    num_layers: int = attrs.field(validator=_positive)
-    size: int = attrs.field(validator=_positive)
-    page_size: int = attrs.field(validator=_positive)
-    kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
-    v_head_dim: int = attrs.field(validator=_positive)
+    num_layers: int = attrs.field(validator=positive_field)
+    size: int = attrs.field(validator=positive_field)
+    page_size: int = attrs.field(validator=positive_field)
+    kv_heads: int = attrs.field(validator=positive_field)
+    head_dim: int = attrs.field(validator=positive_field)
+    v_head_dim: int = attrs.field(validator=positive_field)
     dtype: torch.dtype = attrs.field(default=torch.float32, validator=float_dtype)
     swa: SWAPoolSpec | None = attrs.field(default=None)
 
     @size.validator
     def _check_size(self, attribute: attrs.Attribute, value: int) -> None:
-        _positive(self, attrs.fields(KVPoolSpec).page_size, self.page_size)  # validated after size otherwise
+        positive_field(self, attrs.fields(KVPoolSpec).page_size, self.page_size)  # validated after size otherwise
         if value % self.page_size:
             raise SpecError(
                 f"KVPoolSpec.size={value} must be a multiple of page_size={self.page_size}"

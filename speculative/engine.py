@@ -21,7 +21,7 @@ from hal.errors import SpecError
 from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
 from hal.protocols import AttentionKernel, Backend
-from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, strict_ints
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, int_at_least, strict_ints
 from hal.speculative.model import EngineModel, ModelSpec
 
 
@@ -236,8 +236,7 @@ class TargetEngine:
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise SpecError(f"generate: prompt {i} has token ids {bad[:5]} outside [0, {vocab})")
-            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-                raise SpecError(f"generate: max_new_tokens for prompt {i} must be an int >= 1, got {limit!r}")
+            int_at_least(limit, 1, f"generate: max_new_tokens for prompt {i}")
             need = len(prompt) + limit + self.lookahead
             if need > self.max_seq_len:
                 raise SpecError(

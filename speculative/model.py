@@ -25,15 +25,10 @@ import torch
 from torch import nn
 
 from hal.errors import SpecError
-from hal.spec import LayerSpec, float_dtype
+from hal.spec import LayerSpec, float_dtype, int_at_least, positive_field
 
 # attend(layer, q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], sinks [Hq] | None) -> [T, Hq, Dv]
 Attend = Callable[[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SpecError(f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}")
 
 
 def _layer_tuple(layers: Iterable[LayerSpec]) -> tuple[LayerSpec, ...]:
@@ -58,9 +53,9 @@ class ModelSpec:
     type every static buffer they feed the model from it (the MTP blocks' hidden-state input among
     them) and prefer it for the KV cache where the backend's kernel takes it."""
 
-    vocab_size: int = attrs.field(validator=_positive)
-    hidden_size: int = attrs.field(validator=_positive)
-    max_position: int = attrs.field(validator=_positive)
+    vocab_size: int = attrs.field(validator=positive_field)
+    hidden_size: int = attrs.field(validator=positive_field)
+    max_position: int = attrs.field(validator=positive_field)
     target_layers: tuple[LayerSpec, ...] = attrs.field(converter=_layer_tuple, validator=_layer_ids_in_order)
     draft_layers: tuple[LayerSpec, ...] = attrs.field(default=(), converter=_layer_tuple, validator=_layer_ids_in_order)
     dtype: torch.dtype = attrs.field(default=torch.float32, validator=float_dtype, kw_only=True)
@@ -93,23 +88,23 @@ class EngineModel(Protocol):
 class TinyConfig:
     """Sizes of the tiny model. Defaults keep FIA-legal head dims (192/128) and a CPU-fast rest."""
 
-    vocab_size: int = attrs.field(default=512, validator=_positive)
-    hidden_size: int = attrs.field(default=128, validator=_positive)
-    intermediate_size: int = attrs.field(default=256, validator=_positive)
+    vocab_size: int = attrs.field(default=512, validator=positive_field)
+    hidden_size: int = attrs.field(default=128, validator=positive_field)
+    intermediate_size: int = attrs.field(default=256, validator=positive_field)
     # 18 layers: full attention at 0, 5, 11, 17. Deep enough that one MTP layer per draft step
     # is cheap next to a target forward, which is what makes MTP pay off.
-    num_layers: int = attrs.field(default=18, validator=_positive)
-    num_q_heads: int = attrs.field(default=4, validator=_positive)
-    full_kv_heads: int = attrs.field(default=1, validator=_positive)
-    swa_kv_heads: int = attrs.field(default=2, validator=_positive)
-    qk_head_dim: int = attrs.field(default=192, validator=_positive)
-    v_head_dim: int = attrs.field(default=128, validator=_positive)
-    rope_dim: int = attrs.field(default=64, validator=_positive)  # rotated dims of each q/k head
-    sliding_window: int = attrs.field(default=16, validator=_positive)  # W, hal.spec convention
+    num_layers: int = attrs.field(default=18, validator=positive_field)
+    num_q_heads: int = attrs.field(default=4, validator=positive_field)
+    full_kv_heads: int = attrs.field(default=1, validator=positive_field)
+    swa_kv_heads: int = attrs.field(default=2, validator=positive_field)
+    qk_head_dim: int = attrs.field(default=192, validator=positive_field)
+    v_head_dim: int = attrs.field(default=128, validator=positive_field)
+    rope_dim: int = attrs.field(default=64, validator=positive_field)  # rotated dims of each q/k head
+    sliding_window: int = attrs.field(default=16, validator=positive_field)  # W, hal.spec convention
     rope_theta_full: float = 5_000_000.0
     rope_theta_swa: float = 10_000.0
-    max_position: int = attrs.field(default=4096, validator=_positive)
-    num_mtp_layers: int = attrs.field(default=3, validator=_positive)
+    max_position: int = attrs.field(default=4096, validator=positive_field)
+    num_mtp_layers: int = attrs.field(default=3, validator=positive_field)
     rms_eps: float = 1e-6
     # Target attention outputs start small, so that (as in natural text) the next token depends
     # mostly on the recent tokens: a random target then has greedy continuations with recurring

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hal.errors import UnsupportedConfigError
+from hal.sdk import UnsupportedConfigError
 
 _INTERPRETER_LOCK = threading.Lock()
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from hal.errors import DistributedError
+from hal.spec import int_at_least
 
 
 def _free_port() -> int:
@@ -43,8 +44,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """``fn(*args)`` on ``world_size`` local processes (spawned: ``fn`` and ``args`` must pickle);
     their return values by rank. ``timeout_s`` bounds the whole run (None: only the ranks'
     collective timeouts and their exits end it)."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise DistributedError(f"world_size must be an int >= 1, got {world_size!r}")
+    world_size = int_at_least(world_size, 1, "world_size", DistributedError)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

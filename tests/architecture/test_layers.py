@@ -258,3 +258,15 @@ def test_no_module_imports_itself_through_others() -> None:
 
 def test_a_circle_is_found() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_in_tree_backends_import_the_core_through_the_sdk_only() -> None:
+    """``hal.sdk`` says a backend imports from it and nowhere else in the core; the in-tree backends
+    are held to it as the out-of-tree example is (their own package aside)."""
+    stray = []
+    for path in (REPO / "backends").rglob("*.py"):
+        rel = path.relative_to(REPO)
+        for line, module in imported_modules(path.read_text(), module_name(rel), path.name == "__init__.py"):
+            if module.split(".")[0] == "hal" and not module.startswith(("hal.sdk", "hal.backends")):
+                stray.append(f"{rel}:{line}: {module}")
+    assert not stray, stray

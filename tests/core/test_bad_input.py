@@ -292,9 +292,10 @@ def test_untyped_refusals_are_typed(backends: dict[str, Any]) -> None:
     expect_refused(world, lambda: world.forward_swa(q=world.q.tolist()), SpecError, "q must be a torch.Tensor, got list")
     with pytest.raises(SpecError, match="IDLE carries no tokens"):
         build_metadata(M.IDLE, kv_lens=[2], q_lens=[1], page_table=[[1]], out_cache_loc=[16], page_size=PAGE)
-    for kwargs in ({"tokens_per_request": 0}, {"max_pages_per_request": 0}):
+    for kwargs in ({"tokens_per_request": 0}, {"max_pages_per_request": 0}, {"max_pages_per_request": True}):
         args = {"tokens_per_request": 1, "max_pages_per_request": 4, **kwargs}
-        with pytest.raises(SpecError, match="must both be >= 1"):
+        name, value = next(iter(kwargs.items()))
+        with pytest.raises(SpecError, match=f"GraphRunner.{name} must be an int >= 1, got {value}"):
             GraphRunner(world.backend, lambda x, md: x, attention=world.attn, mode=M.DECODE, batch_sizes=[1], inputs={}, **args, replay_captured=True)
     table = RequestPageTable(KVAllocator(world.backend.create_kv_pool(KVPoolSpec(1, 2 * PAGE, PAGE, 1, 8, 8))))
     with pytest.raises(hal.OutOfPagesError):

@@ -334,9 +334,10 @@ def test_copy_into_trees() -> None:
         (dict(mode=M.IDLE), SpecError, "IDLE has no fixed per-request shape"),
         (dict(mode="decode"), SpecError, "mode must be a hal.ForwardMode, got 'decode'"),
         (dict(tokens_per_request=2), SpecError, "DECODE has 1 token per request"),
-        (dict(batch_sizes=[]), SpecError, "batch_sizes must be positive"),
-        (dict(batch_sizes=[0, 2]), SpecError, "batch_sizes must be positive"),
-        (dict(seq_len_fill_value=0), SpecError, "seq_len_fill_value=0 must be an int >= 1"),
+        (dict(batch_sizes=[]), SpecError, "batch_sizes is empty"),
+        (dict(batch_sizes=[0, 2]), SpecError, "batch_sizes entry must be an int >= 1, got 0"),
+        (dict(batch_sizes=[True]), SpecError, "batch_sizes entry must be an int >= 1, got True"),
+        (dict(seq_len_fill_value=0), SpecError, "seq_len_fill_value must be an int >= 1, got 0"),
     ],
 )
 def test_runner_constructor_validation(kwargs, error, fragment: str) -> None:

@@ -258,7 +258,8 @@ def test_pad_metadata_of_an_empty_batch_uses_the_given_q_len() -> None:
     [
         (lambda md: pad_metadata(md, 1, fill=1, max_pages=2), r"batch_size=1 is below the real batch of 2"),
         (lambda md: pad_metadata(md, 4, fill=1, max_pages=1), r"block table has 2 pages, more than max_pages=1"),
-        (lambda md: pad_metadata(md, 4, fill=0, max_pages=2), r"fill=0 must be an int >= 1"),
+        (lambda md: pad_metadata(md, 4, fill=0, max_pages=2), r"fill must be an int >= 1, got 0"),
+        (lambda md: pad_metadata(md, 4, fill=True, max_pages=2), r"fill must be an int >= 1, got True"),
         (lambda md: pad_metadata(md, 4, fill=1, max_pages=2, q_len=2), r"q_len=2 but the batch has q_len 1"),
     ],
 )

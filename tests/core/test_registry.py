@@ -283,7 +283,7 @@ def test_emulation_is_installed_only_when_asked(isolated) -> None:
 def test_a_cached_backend_whose_runtime_went_away_is_not_returned(isolated) -> None:
     """Built while its runtime was there (an emulator installed by an earlier emulate=True call),
     then the runtime goes: the plain lookup raises instead of handing out the stale instance,
-    and a later emulate=True lookup reinstalls its stand-in."""
+    and a later emulate=True lookup reinstalls its stand-in and builds the backend anew on it."""
     emu = with_emulation(fake_backend("Emu", available=False, reason="no hardware"))
     hal.register_backend("emu", emu)
     emulated = hal.get_backend("emu", emulate=True)
@@ -292,7 +292,8 @@ def test_a_cached_backend_whose_runtime_went_away_is_not_returned(isolated) -> N
     emu.available = False  # the stand-in is uninstalled
     with pytest.raises(BackendUnavailableError, match="no hardware"):
         hal.get_backend("emu")
-    assert hal.get_backend("emu", emulate=True) is emulated and emu.installs == 2
+    again = hal.get_backend("emu", emulate=True)
+    assert type(again) is emu and again is not emulated and emu.installs == 2
     assert hal.get_backend("emu") is not plain  # rebuilt on the reinstalled runtime
 
 
