@@ -31,7 +31,6 @@ class SplitKVPool:
     def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.device = torch.device(device)
-        ps = spec.page_size
         full_ids = spec.full_layer_ids
         swa_ids = spec.swa.layer_ids if spec.swa is not None else ()
         # global layer id -> (sub-pool name, index inside that sub-pool)

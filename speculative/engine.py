@@ -236,7 +236,7 @@ class TargetEngine:
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise SpecError(f"generate: prompt {i} has token ids {bad[:5]} outside [0, {vocab})")
-            int_at_least(limit, 1, f"generate: max_new_tokens for prompt {i}")
+            limit = int_at_least(limit, 1, f"generate: max_new_tokens for prompt {i}")
             need = len(prompt) + limit + self.lookahead
             if need > self.max_seq_len:
                 raise SpecError(

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hal.errors import SpecError
-from hal.spec import LayerSpec, float_dtype, int_at_least, positive_field
+from hal.spec import LayerSpec, float_dtype, positive_field
 
 # attend(layer, q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], sinks [Hq] | None) -> [T, Hq, Dv]
 Attend = Callable[[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]

@@ -1,11 +1,17 @@
-"""One row of ``hal bench``'s results (``Measurement``) and how a row is judged from paired ratios."""
+"""How ``hal bench`` measures: two functions timed alternately (``time_pair``), one row of the
+results (``Measurement``) and how a row is judged from paired ratios."""
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
+
+from hal.protocols import Backend
 
 
 @attrs.frozen
@@ -63,3 +69,55 @@ def judged(name: str, hal: float, baseline: float, unit: str, ratios: Sequence[f
 
 def _fmt(x: float) -> str:
     return f"{x:.4g}" if abs(x) < 1e5 else f"{x:,.0f}"
+
+
+def seconds_per_call(backend: Backend, fn: Callable[[], Any], inner: int) -> float:
+    """Mean seconds of ``inner`` back-to-back calls of ``fn``, the device synchronised around them."""
+    backend.synchronize()
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    backend.synchronize()
+    return (time.perf_counter() - start) / inner
+
+
+@attrs.frozen
+class PairTiming:
+    """Seconds per call of two alternately timed functions, and their ratio.
+
+    ``a_over_b`` is the median of the per-pair ratios: neighbouring samples share the machine's
+    load at that moment, so drifting load cancels out of it where it would not from a ratio of
+    two medians.
+    """
+
+    a: float
+    b: float
+    a_over_b: float
+    ratios: tuple[float, ...] = ()  # every per-pair a/b
+
+
+def time_pair(
+    backend: Backend,
+    a: Callable[[], Any],
+    b: Callable[[], Any],
+    *,
+    repeats: int,
+    warmup: int,
+    min_sample_s: float = 0.0,
+    stat: Callable[[list[float]], float] = statistics.median,
+) -> PairTiming:
+    """``a`` and ``b`` timed alternately after ``warmup`` calls each; ``stat`` (median by default)
+    of each side's samples."""
+    for _ in range(warmup):
+        a()
+        b()
+    inner = []
+    for fn in (a, b):
+        once = seconds_per_call(backend, fn, 1)
+        inner.append(max(1, math.ceil(min_sample_s / max(once, 1e-9))))
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(seconds_per_call(backend, a, inner[0]))
+        tb.append(seconds_per_call(backend, b, inner[1]))
+    ratios = tuple(x / max(y, 1e-12) for x, y in zip(ta, tb))
+    return PairTiming(stat(ta), stat(tb), statistics.median(ratios), ratios)

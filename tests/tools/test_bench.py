@@ -16,6 +16,7 @@ import hal
 from hal.backends.cpu import CpuBackend
 from hal.backends.cpu.attention import CpuAttention
 from hal.tools.bench import BenchConfig, bench_memory, markdown_table, run_benchmarks, time_pair, write_outputs
+from hal.tools import measurement
 from hal.tools.measurement import Measurement
 
 TINY = attrs.evolve(BenchConfig.quick(), decode_batch=2, decode_kv_len=160, extend_len=96, write_tokens=256,
@@ -46,10 +47,9 @@ def test_paired_ratio_is_the_median_of_per_pair_ratios(monkeypatch) -> None:
     """On a fake clock with hand-picked durations: pairs (2, 1), (30, 10), (4, 4) after one
     calibration call each give per-pair ratios 2, 3, 1, so the paired ratio is 2 where the ratio
     of the medians (4 / 4) would be 1."""
-    import hal.tools.bench as bench
 
     now = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(measurement.time, "perf_counter", lambda: now[0])
     durations = {"a": iter([1.0, 2.0, 30.0, 4.0]), "b": iter([1.0, 1.0, 10.0, 4.0])}
 
     def tick(side: str) -> Callable[[], None]:
@@ -162,7 +162,7 @@ def test_bench_refuses_to_time_a_kernel_that_disagrees_with_the_baseline(
 
 
 def test_dense_baselines_compute_the_paged_result() -> None:
-    from hal.tools.bench import _dense_baselines
+    from hal.tools.bench_kernels import _dense_baselines
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 1, 24), torch.randn(2, 2, 40, 24), torch.randn(2, 2, 40, 16)
@@ -180,7 +180,8 @@ def test_dense_baselines_compute_the_paged_result() -> None:
 
 
 def test_rows_report_the_spread_and_call_a_verdict_that_could_go_either_way_noisy() -> None:
-    from hal.tools.bench import better_direction, judged
+    from hal.tools.bench_report import better_direction
+    from hal.tools.measurement import judged
 
     wide = judged("x", 1, 1, "ms", [1.0, 2.0, 3.0], "hal/SDPA time", "<= 1.5")
     assert (wide.ratio, wide.met, wide.spread, wide.noisy) == (2.0, False, (1.0, 3.0), True)
