@@ -10,7 +10,8 @@ Nothing here branches on the device: pools, kernels and graphs come from the eng
 """
 
 from hal.speculative.distill import DistillConfig, distill
-from hal.speculative.model import EngineModel, ModelSpec, TinyConfig, TinyMiMo
+from hal.speculative.contract import EngineModel, ModelSpec
+from hal.speculative.model import TinyConfig, TinyMiMo
 from hal.speculative.engine import GenerationResult, GreedyDecoder
 from hal.speculative.mtp import MultiLayerEagleWorker
 

@@ -22,7 +22,7 @@ from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
 from hal.protocols import AttentionKernel, Backend
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, int_at_least, strict_ints
-from hal.speculative.model import EngineModel, ModelSpec
+from hal.speculative.contract import EngineModel, ModelSpec
 
 
 class KernelAttend:

@@ -26,7 +26,8 @@ from hal.errors import CheckpointError
 from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo_config import AttentionShape, MiMoConfig
-from hal.speculative.model import MLP, Attend, ModelSpec, RMSNorm
+from hal.speculative.contract import Attend, ModelSpec
+from hal.speculative.layers import MLP, RMSNorm
 
 Progress = Callable[[int, int], None]
 

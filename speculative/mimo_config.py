@@ -26,7 +26,7 @@ import torch
 from hal.distributed import TPGroup
 from hal.errors import CheckpointError, SpecError
 from hal.spec import LayerSpec
-from hal.speculative.model import ModelSpec
+from hal.speculative.contract import ModelSpec
 
 MODEL_TYPE = "mimo_v2_flash"
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.334  # transformers' default when a rope entry names none

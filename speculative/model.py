@@ -16,72 +16,17 @@ The model does no attention itself: every layer calls an ``Attend`` callable wit
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
 from torch import nn
 
 from hal.errors import SpecError
-from hal.spec import LayerSpec, float_dtype, positive_field
-
-# attend(layer, q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], sinks [Hq] | None) -> [T, Hq, Dv]
-Attend = Callable[[LayerSpec, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-def _layer_tuple(layers: Iterable[LayerSpec]) -> tuple[LayerSpec, ...]:
-    return tuple(layers)
-
-
-def _layer_ids_in_order(instance: ModelSpec, attribute: attrs.Attribute, layers: tuple[LayerSpec, ...]) -> None:
-    ids = [layer.layer_id if isinstance(layer, LayerSpec) else layer for layer in layers]
-    if ids != list(range(len(layers))):
-        raise SpecError(f"ModelSpec.{attribute.name} must be LayerSpecs with layer ids 0..{len(layers) - 1} in order, got {ids}")
-
-
-@attrs.frozen
-class ModelSpec:
-    """What hal's engines know of a model: its vocabulary, hidden size and longest position, and
-    every attention layer as a ``LayerSpec``: the target's (``target_layers[i]`` is layer ``i``,
-    its ``sliding_window`` saying whether it is a sliding-window layer) and the draft (MTP) blocks'
-    (``draft_layers[k]``: block ``k``, layer ``k`` of the draft pool). The engines build their KV
-    pools from these (``KVPoolSpec.for_layers``) and assume nothing else about a layer's shape.
-
-    ``dtype`` is the compute dtype: what the model's hidden states and logits are in. The engines
-    type every static buffer they feed the model from it (the MTP blocks' hidden-state input among
-    them) and prefer it for the KV cache where the backend's kernel takes it."""
-
-    vocab_size: int = attrs.field(validator=positive_field)
-    hidden_size: int = attrs.field(validator=positive_field)
-    max_position: int = attrs.field(validator=positive_field)
-    target_layers: tuple[LayerSpec, ...] = attrs.field(converter=_layer_tuple, validator=_layer_ids_in_order)
-    draft_layers: tuple[LayerSpec, ...] = attrs.field(default=(), converter=_layer_tuple, validator=_layer_ids_in_order)
-    dtype: torch.dtype = attrs.field(default=torch.float32, validator=float_dtype, kw_only=True)
-
-    @property
-    def num_draft_layers(self) -> int:
-        return len(self.draft_layers)
-
-
-class EngineModel(Protocol):
-    """What hal's engines need of a model (``TinyMiMo`` and ``MiMoV2Flash`` provide it): its
-    ``ModelSpec``, the target's last hidden states, MTP layer ``step``'s hidden states, and logits.
-    Each layer calls ``attend`` with the ``LayerSpec`` its ``spec`` lists for it."""
-
-    @property
-    def spec(self) -> ModelSpec: ...
-
-    def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor: ...
-
-    def mtp_hidden(
-        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
-    ) -> torch.Tensor: ...
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def to(self, device: torch.device) -> Any: ...
+from hal.spec import LayerSpec, positive_field
+from hal.speculative.contract import Attend, ModelSpec
+from hal.speculative.layers import MLP, PartialRotary, RMSNorm
 
 
 @attrs.frozen
@@ -168,40 +113,6 @@ class TinyConfig:
         )
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalised in float32 and cast back before the weight, as MiMo-V2-Flash (and transformers) do.
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-class PartialRotary(nn.Module):
-    """RoPE on the first ``rope_dim`` dims of each head (neox-style halves); the rest pass through."""
-
-    cos: torch.Tensor  # [max_position, rope_dim / 2]
-    sin: torch.Tensor
-
-    def __init__(self, rope_dim: int, theta: float, max_position: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-        angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
-        self.rope_dim = rope_dim
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [T, H, D]
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        half = self.rope_dim // 2
-        x1, x2, rest = x[..., :half], x[..., half : self.rope_dim], x[..., self.rope_dim :]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: TinyConfig, spec: LayerSpec, rope_theta: float) -> None:
         super().__init__()
@@ -222,19 +133,6 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, s.num_kv_heads, s.v_head_dim)
         out = attend(s, q, k, v, self.sinks)
         return self.o_proj(out.reshape(t, s.num_q_heads * s.v_head_dim))
-
-
-class MLP(nn.Module):
-    """Dense SwiGLU feed-forward."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -33,7 +33,7 @@ from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec
 from hal.speculative.chain import greedy_accept, rotate_input_ids
 from hal.speculative.engine import KernelAttend, Request, TargetEngine
-from hal.speculative.model import EngineModel
+from hal.speculative.contract import EngineModel
 
 
 class MultiLayerEagleWorker(TargetEngine):

@@ -21,7 +21,8 @@ from hal.errors import SpecError
 from hal.protocols import Backend
 from hal.speculative.distill import DenseAttend, DistillConfig, DistillReport, distill
 from hal.speculative.mimo import MiMoV2Flash
-from hal.speculative.model import EngineModel, TinyConfig, TinyMiMo
+from hal.speculative.contract import EngineModel
+from hal.speculative.model import TinyConfig, TinyMiMo
 from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
 from hal.tools.cli import backend_from_args, dtype_option
 

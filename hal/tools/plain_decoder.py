@@ -20,7 +20,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from hal.errors import SpecError
 from hal.spec import LayerSpec
 from hal.speculative import GenerationResult
-from hal.speculative.model import EngineModel
+from hal.speculative.contract import EngineModel
 
 
 class _ContiguousCache:

@@ -9,7 +9,8 @@ import hal
 from hal import ForwardMode, KVPoolSpec, SWAPoolSpec
 from hal.errors import SpecError
 from hal.speculative.distill import DenseAttend
-from hal.speculative.model import PartialRotary, TinyConfig, TinyMiMo
+from hal.speculative.layers import PartialRotary
+from hal.speculative.model import TinyConfig, TinyMiMo
 from hal.speculative.engine import KernelAttend
 
 # Default head dims (192/128) and window; fewer layers so the tests stay fast (0 and 5 are full).
