@@ -1,8 +1,9 @@
 """Multi-layer EAGLE (MTP) speculative decoding on hal, with a tiny MiMo-V2-style model.
 
+    import hal
     from hal.speculative import MultiLayerEagleWorker, GreedyDecoder, TinyConfig, TinyMiMo, distill
     model = TinyMiMo(TinyConfig()); distill(model)
-    spec = MultiLayerEagleWorker(model, "cpu", num_steps=3)     # a hal.Backend, or any hal device string
+    spec = MultiLayerEagleWorker(model, hal.get_backend("cpu"), num_steps=3)   # the backend, resolved once
     print(spec.generate([[1, 2, 3]], 32).tokens)
 
 A model the engines run implements ``EngineModel`` and describes itself with a ``ModelSpec``.

@@ -26,6 +26,8 @@ from pathlib import Path
 import attrs
 import torch
 
+import hal
+
 from hal.oracle import dense_attention
 from hal.errors import SpecError
 from hal.spec import LayerSpec
@@ -108,8 +110,8 @@ def greedy_sequences(
     prompt_lens = [rng.randint(config.min_prompt_len, config.max_prompt_len) for _ in range(num)]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in prompt_lens]
     batch = min(num, 128)  # large decode batches amortise the per-step overhead
-    decoder = GreedyDecoder(
-        model, "cpu", max_batch_size=batch, max_seq_len=config.seq_len, page_size=16, graph_batch_sizes=[batch]
+    decoder = GreedyDecoder(  # training data is made on the CPU, whatever the model later runs on
+        model, hal.get_backend("cpu"), max_batch_size=batch, max_seq_len=config.seq_len, page_size=16, graph_batch_sizes=[batch]
     )
     rows: list[list[int]] = []
     chunks = range(0, num, batch)

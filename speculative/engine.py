@@ -44,14 +44,12 @@ class KernelAttend:
         return out.to(q.dtype)
 
 
-def resolve_backend(backend: Backend | str, emulate: bool = False) -> Backend:
-    """``backend`` itself, or the backend a device string names (``hal.get_backend``)."""
-    if isinstance(backend, str):
-        return hal.get_backend(backend, emulate=emulate)
+def require_backend(backend: object) -> Backend:
+    """``backend`` when it is a ``hal.Backend``; engines take the object the edge resolved once
+    (``hal.get_backend``), never a device string of their own to resolve."""
     if not isinstance(backend, Backend):
-        raise SpecError(f"backend must be a hal.Backend or a device string, got {type(backend).__name__}")
-    if emulate:
-        raise SpecError("emulate=True applies to a device string; a Backend object is already resolved")
+        hint = f": resolve it once at the edge, hal.get_backend({backend!r})" if isinstance(backend, str) else ""
+        raise SpecError(f"backend must be a hal.Backend, got {type(backend).__name__} {backend!r}{hint}")
     return backend
 
 
@@ -107,9 +105,8 @@ class GenerationResult:
 class TargetEngine:
     """Backend, hybrid target KV pool, allocator and prefill shared by both decoders.
 
-    ``backend``: a ``hal.Backend`` (what ``hal.get_backend`` returns), or a device string resolved
-    with ``hal.get_backend(backend, emulate=emulate)``. The model is moved to the backend's device in
-    place. The KV pool holds ``max_batch_size`` requests of up to ``max_seq_len`` positions; graphs
+    ``backend``: the ``hal.Backend`` the caller resolved once (``hal.get_backend``). The model is
+    moved to the backend's device in place. The KV pool holds ``max_batch_size`` requests of up to ``max_seq_len`` positions; graphs
     are captured for ``graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
     ``page_size`` defaults to the backend's ``default_page_size``, ``kv_dtype`` to the backend's
     ``kv_dtype_for`` the model's layers, preferring the model's compute dtype; every layer the engine
@@ -127,9 +124,8 @@ class TargetEngine:
     def __init__(
         self,
         model: EngineModel,
-        backend: Backend | str = "cpu",
+        backend: Backend,
         *,
-        emulate: bool = False,
         page_size: int | None = None,
         kv_dtype: torch.dtype | None = None,
         max_batch_size: int = 8,
@@ -144,7 +140,7 @@ class TargetEngine:
         self.tp: TPGroup = getattr(model, "tp", SINGLE) if tp is None else tp
         if max_seq_len > spec.max_position:
             raise SpecError(f"max_seq_len={max_seq_len} exceeds the model's max_position={spec.max_position}")
-        self.backend = resolve_backend(backend, emulate)
+        self.backend = require_backend(backend)
         self.device = self.backend.device
         page_size = self.backend.default_page_size if page_size is None else page_size
         layers = spec.target_layers + self.draft_layers
@@ -306,7 +302,7 @@ class TargetEngine:
 class GreedyDecoder(TargetEngine):
     """Plain greedy decoding with the target alone (``DECODE`` graphs): the baseline and the lossless oracle."""
 
-    def __init__(self, model: EngineModel, backend: Backend | str = "cpu", **kwargs: object) -> None:
+    def __init__(self, model: EngineModel, backend: Backend, **kwargs: object) -> None:
         super().__init__(model, backend, **kwargs)  # type: ignore[arg-type]
         self.decode_runner = self._graph_runner(
             lambda inputs, md: self._target_tokens_and_hidden(inputs, md)[0],

@@ -39,7 +39,7 @@ from hal.speculative.contract import EngineModel
 class MultiLayerEagleWorker(TargetEngine):
     """Multi-layer EAGLE with ``num_steps`` MTP blocks (one per draft step), chain drafts, greedy verify."""
 
-    def __init__(self, model: EngineModel, backend: Backend | str = "cpu", *, num_steps: int = 3, **kwargs: object) -> None:
+    def __init__(self, model: EngineModel, backend: Backend, *, num_steps: int = 3, **kwargs: object) -> None:
         available = model.spec.num_draft_layers
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or not 1 <= num_steps <= available:
             raise SpecError(f"num_steps must be an int in 1..{available} (the model's MTP blocks), got {num_steps!r}")

@@ -309,7 +309,7 @@ def test_untyped_refusals_are_typed(backends: dict[str, Any]) -> None:
 def test_generate_refuses_a_float_token_limit() -> None:
     from hal.speculative import GreedyDecoder, TinyConfig, TinyMiMo
 
-    decoder = GreedyDecoder(TinyMiMo(TinyConfig(num_layers=2, num_mtp_layers=1)), "cpu", max_batch_size=1, max_seq_len=32,
+    decoder = GreedyDecoder(TinyMiMo(TinyConfig(num_layers=2, num_mtp_layers=1)), hal.get_backend("cpu"), max_batch_size=1, max_seq_len=32,
                             graph_batch_sizes=[1])
     with pytest.raises(SpecError, match="max_new_tokens for prompt 0 must be an int >= 1, got 2.5"):
         decoder.generate([[1, 2]], 2.5)  # type: ignore[arg-type]
@@ -367,7 +367,7 @@ def test_npu_default_page_size_is_128(backends: dict[str, Any]) -> None:
 
     assert backends["npu"].default_page_size == 128 and backends["cpu"].default_page_size == 16
     model = TinyMiMo(TinyConfig(num_layers=2, num_mtp_layers=1, qk_head_dim=128, v_head_dim=128))
-    decoder = GreedyDecoder(model, "npu", emulate=True, kv_dtype=torch.bfloat16, max_batch_size=1, max_seq_len=64,
+    decoder = GreedyDecoder(model, hal.get_backend("npu", emulate=True), kv_dtype=torch.bfloat16, max_batch_size=1, max_seq_len=64,
                             graph_batch_sizes=[1])
     assert decoder.target_pool.spec.page_size == 128
 

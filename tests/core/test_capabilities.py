@@ -109,7 +109,7 @@ def test_kv_dtype_follows_the_model_then_the_backends_own_order(device: str, pre
 def test_an_engine_types_its_buffers_and_kv_from_the_model_dtype(dtype: torch.dtype) -> None:
     model = TinyMiMo(SMALL).to(dtype)
     assert model.spec.dtype == dtype  # the spec follows the weights, never a stale copy
-    worker = MultiLayerEagleWorker(model, "cpu", num_steps=2, max_batch_size=2, max_seq_len=64, graph_batch_sizes=[2])
+    worker = MultiLayerEagleWorker(model, hal.get_backend("cpu"), num_steps=2, max_batch_size=2, max_seq_len=64, graph_batch_sizes=[2])
     assert worker.target_pool.spec.dtype == worker.mtp_pool.spec.dtype == dtype
     # the draft runners' hidden-state buffer is typed from the spec: a float32 buffer refused the
     # target's bf16 hidden states before (GraphError at the first verify)
@@ -150,10 +150,12 @@ def test_engines_use_the_backend_they_are_handed(npu: Any) -> None:
     model = TinyMiMo(SMALL)
     decoder = GreedyDecoder(model, npu, max_batch_size=1, max_seq_len=64, graph_batch_sizes=[1])
     assert decoder.backend is npu and isinstance(decoder.target_attention, NpuAttention)
-    with pytest.raises(SpecError, match="emulate=True applies to a device string"):
-        GreedyDecoder(model, npu, emulate=True)
-    with pytest.raises(SpecError, match="backend must be a hal.Backend or a device string, got int"):
+    with pytest.raises(SpecError, match=r"backend must be a hal.Backend, got str 'npu': resolve it once at the edge, hal.get_backend\('npu'\)"):
+        GreedyDecoder(model, "npu")  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="backend must be a hal.Backend, got int 3"):
         GreedyDecoder(model, 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="emulate"):
+        GreedyDecoder(model, npu, emulate=True)  # type: ignore[call-arg]
 
 
 def test_a_rank_takes_its_device_from_the_backend(npu: Any) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import hal
+
 REPO = Path(__file__).resolve().parents[2]
 EVERY_FUNCTION = None
 # module -> the functions that run once per layer (None: all of them)
@@ -105,7 +107,7 @@ def test_greedy_reads_the_device_once_per_step(monkeypatch: pytest.MonkeyPatch) 
     from hal.speculative import GreedyDecoder
     from hal.speculative.model import TinyConfig, TinyMiMo
 
-    decoder = GreedyDecoder(TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=1)), max_batch_size=3, max_seq_len=64)
+    decoder = GreedyDecoder(TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=1)), hal.get_backend("cpu"), max_batch_size=3, max_seq_len=64)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 7]
     counter = ReadCounter(monkeypatch)
     result = decoder.generate(prompts, [6, 3, 9])
@@ -116,7 +118,7 @@ def test_mtp_reads_the_device_once_per_iteration(monkeypatch: pytest.MonkeyPatch
     from hal.speculative import MultiLayerEagleWorker
     from hal.speculative.model import TinyConfig, TinyMiMo
 
-    worker = MultiLayerEagleWorker(TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=2)), num_steps=2, max_batch_size=3,
+    worker = MultiLayerEagleWorker(TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=2)), hal.get_backend("cpu"), num_steps=2, max_batch_size=3,
                                    max_seq_len=64)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 7]
     counter = ReadCounter(monkeypatch)

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+import hal
+
 from hal.errors import CheckpointError
 from hal.speculative import GreedyDecoder
 from hal.speculative.checkpoint import SCALE_SUFFIX, Checkpoint, dequantize_fp8, quantize_fp8
@@ -245,7 +247,7 @@ def hal_logits(decoder: GreedyDecoder, prompt: list[int], continuation: list[int
 
 def test_prefill_and_decode_logits_match_transformers(pair: tuple[Any, MiMoV2Flash, str]) -> None:
     hf, ours, label = pair
-    decoder = GreedyDecoder(ours, "cpu", max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1])
+    decoder = GreedyDecoder(ours, hal.get_backend("cpu"), max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1])
     prompt, continuation = PROMPTS[2], [1, 2, 3, 60, 61, 62, 63, 5]  # runs past the window
     with torch.no_grad():
         expected = hf(torch.tensor([prompt + continuation])).logits[0]
@@ -256,7 +258,7 @@ def test_prefill_and_decode_logits_match_transformers(pair: tuple[Any, MiMoV2Fla
 
 def test_greedy_tokens_equal_transformers_generate(pair: tuple[Any, MiMoV2Flash, str]) -> None:
     hf, ours, label = pair
-    decoder = GreedyDecoder(ours, "cpu", max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
+    decoder = GreedyDecoder(ours, hal.get_backend("cpu"), max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
     got = decoder.generate(PROMPTS, 64).tokens
     # transformers' sliding-window cache keeps no earlier key at sliding_window=1 and then departs
     # from its own forward (which sees the token itself); its uncached generate is the definition.
@@ -277,10 +279,10 @@ def test_mtp_worker_on_a_mimo_checkpoint_is_lossless(tmp_path: Path) -> None:
     add_mtp_layers(tmp_path, 3)
     model = MiMoV2Flash.from_pretrained(tmp_path)
     assert model.config.num_mtp_layers == 3  # counted from the stored layers
-    plain = GreedyDecoder(model, "cpu", max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
+    plain = GreedyDecoder(model, hal.get_backend("cpu"), max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
     expected = plain.generate(PROMPTS, 40).tokens
     for steps in (1, 2, 3):
-        worker = MultiLayerEagleWorker(model, "cpu", num_steps=steps, max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
+        worker = MultiLayerEagleWorker(model, hal.get_backend("cpu"), num_steps=steps, max_batch_size=4, max_seq_len=128, graph_batch_sizes=[1, 2, 4])
         result = worker.generate(PROMPTS, 40)
         assert result.tokens == expected, steps
         assert result.target_forwards <= 41
@@ -296,7 +298,7 @@ def test_npu_emulated_logits_match_transformers_in_bf16(tmp_path: Path) -> None:
     model = MiMoV2Flash.from_pretrained(tmp_path)
     prompt, continuation = PROMPTS[2], [1, 2, 3, 60, 61, 62]
     with emulator.emulated(), torch.no_grad():
-        decoder = GreedyDecoder(model, "npu", emulate=True, kv_dtype=torch.bfloat16, max_batch_size=2, max_seq_len=256,
+        decoder = GreedyDecoder(model, hal.get_backend("npu", emulate=True), kv_dtype=torch.bfloat16, max_batch_size=2, max_seq_len=256,
                                 graph_batch_sizes=[1])
         assert decoder.target_pool.spec.page_size == 128  # the NPU default
         got = hal_logits(decoder, prompt, continuation)
@@ -325,7 +327,7 @@ def test_demo_export_writes_a_checkpoint_transformers_loads(tmp_path: Path) -> N
     ours = MiMoV2Flash.from_pretrained(out)
     assert ours.config.num_mtp_layers == 3 and ours.config.sliding_window == 16
     prompts = demo.make_prompts(2, ours.config.vocab_size, 0)
-    got = GreedyDecoder(ours, "cpu", max_batch_size=2, max_seq_len=96, graph_batch_sizes=[2]).generate(prompts, 64).tokens
+    got = GreedyDecoder(ours, hal.get_backend("cpu"), max_batch_size=2, max_seq_len=96, graph_batch_sizes=[2]).generate(prompts, 64).tokens
     for prompt, tokens in zip(prompts, got):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
         assert list(tokens) == ref[0, len(prompt) :].tolist()
@@ -352,10 +354,11 @@ def test_mtp_worker_on_a_mimo_checkpoint_is_lossless_on_the_emulated_npu(tmp_pat
     make_checkpoint(tmp_path, num_hidden_layers=6, sliding_window=5, head_dim=128, v_head_dim=128, hidden_size=64)
     add_mtp_layers(tmp_path, 2)
     model = MiMoV2Flash.from_pretrained(tmp_path)
-    kwargs: dict[str, Any] = {"emulate": True, "kv_dtype": torch.bfloat16, "max_batch_size": 4, "max_seq_len": 128,
+    kwargs: dict[str, Any] = {"kv_dtype": torch.bfloat16, "max_batch_size": 4, "max_seq_len": 128,
                               "graph_batch_sizes": [4]}
     with emulator.emulated():
-        expected = GreedyDecoder(model, "npu", **kwargs).generate(PROMPTS, 24).tokens
+        npu = hal.get_backend("npu", emulate=True)
+        expected = GreedyDecoder(model, npu, **kwargs).generate(PROMPTS, 24).tokens
         for steps in (1, 2):
-            got = MultiLayerEagleWorker(model, "npu", num_steps=steps, **kwargs).generate(PROMPTS, 24).tokens
+            got = MultiLayerEagleWorker(model, npu, num_steps=steps, **kwargs).generate(PROMPTS, 24).tokens
             assert got == expected, steps

@@ -7,6 +7,8 @@ import tempfile
 
 import pytest
 import torch
+
+import hal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,9 +31,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> TinyMiMo:
     return m
 
 
-def engines(model: TinyMiMo, device: str, num_steps: int, page_size: int, **kw: object) -> tuple[GreedyDecoder, MultiLayerEagleWorker]:
+def engines(model: TinyMiMo, device: str, num_steps: int, page_size: int, emulate: bool = False,
+            **kw: object) -> tuple[GreedyDecoder, MultiLayerEagleWorker]:
+    backend = hal.get_backend(device, emulate=emulate)
     args = dict(page_size=page_size, max_batch_size=4, max_seq_len=MAX_SEQ, **kw)
-    return GreedyDecoder(model, device, **args), MultiLayerEagleWorker(model, device, num_steps=num_steps, **args)
+    return GreedyDecoder(model, backend, **args), MultiLayerEagleWorker(model, backend, num_steps=num_steps, **args)
 
 
 # -- chain bookkeeping, against hand-computed cases --------------------------------------------
@@ -156,7 +160,7 @@ def test_allocator_is_freed_when_generation_raises(model: TinyMiMo) -> None:
 
 def test_bad_arguments_raise_typed_errors(model: TinyMiMo) -> None:
     with pytest.raises(SpecError, match="num_steps"):
-        MultiLayerEagleWorker(model, "cpu", num_steps=4)
+        MultiLayerEagleWorker(model, hal.get_backend("cpu"), num_steps=4)
     _, spec = engines(model, "cpu", 3, 16)
     with pytest.raises(SpecError, match="max_batch_size"):
         spec.generate([[1]] * 5, 3)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+import hal
+
 from hal.errors import SpecError
 from hal.speculative import GreedyDecoder
 from hal.speculative.model import TinyConfig, TinyMiMo
@@ -15,7 +17,7 @@ from hal.tools.plain_decoder import PlainDecoder
 def test_plain_decoder_tokens_equal_hal_greedy(batch: int, prompt_len: int) -> None:
     model = TinyMiMo(TinyConfig(num_layers=6, sliding_window=5, num_mtp_layers=1, seed=3))
     prompts = [[(7 * b + 3 * i) % 500 + 1 for i in range(prompt_len)] for b in range(batch)]
-    expect = GreedyDecoder(model, max_batch_size=batch, max_seq_len=prompt_len + 20).generate(prompts, 12)
+    expect = GreedyDecoder(model, hal.get_backend("cpu"), max_batch_size=batch, max_seq_len=prompt_len + 20).generate(prompts, 12)
     got = PlainDecoder(model).generate(prompts, 12)
     assert got.tokens == expect.tokens
     assert len(set(got.tokens[0])) > 1  # a continuation, not one repeated token
