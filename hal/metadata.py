@@ -25,7 +25,7 @@ import torch
 
 from hal.errors import KVLayoutError, SpecError
 from hal.graph import capture_id, is_capturing
-from hal.spec import ForwardMode, KVPoolSpec, int_at_least, strict_int, strict_ints
+from hal.spec import ForwardMode, KVPoolSpec, int_at_least, strict_ints
 
 T = TypeVar("T")
 
@@ -222,7 +222,7 @@ def build_metadata(
         raise SpecError("build_metadata needs page_size (or a pool)")
     page_size = int_at_least(page_size, 1, "build_metadata: page_size")
     if max_pages is not None:
-        max_pages = strict_int(max_pages, "build_metadata: max_pages")
+        max_pages = int_at_least(max_pages, 1, "build_metadata: max_pages")
     device = torch.device("cpu") if device is None else torch.device(device)
     if not isinstance(mode, ForwardMode):
         raise SpecError(f"build_metadata: mode must be a hal.ForwardMode, got {mode!r} ({type(mode).__name__})")

@@ -139,6 +139,8 @@ def _md(mode=M.EXTEND, kv=(5, 3), q=(2, 3), rows=((1, 2), (3,)), ps=4, **kwargs)
         (dict(rows=((1, 2),)), r"page_table has 1 rows for 2 requests"),
         (dict(rows=((1,), (3,))), r"request 0 has kv_len 5 but only 1 pages of 4"),
         (dict(max_pages=1), r"max_pages=1 is below the 2 pages"),
+        (dict(max_pages=0), r"max_pages must be an int >= 1, got 0"),  # was taken as 1
+        (dict(max_pages=-3), r"max_pages must be an int >= 1, got -3"),
         (dict(mode=M.DECODE, kv=(5, 3), q=(1, 2)), r"DECODE needs q_len 1"),
         (dict(mode=M.TARGET_VERIFY, kv=(5, 3), q=(2, 3)), r"TARGET_VERIFY needs the same q_len"),
         (dict(mode=M.DRAFT_EXTEND_V2, kv=(5, 3), q=(3, 2)), r"DRAFT_EXTEND_V2 needs the same q_len"),
