@@ -17,18 +17,22 @@ finishes. The MTP blocks keep their KV in a pool of their own addressed by the t
 As in SGLang's fixed-window draft extend, MTP block ``k``'s KV at the ``k`` positions before the
 committed length was computed from draft tokens and is not rewritten if those drafts are later
 rejected; that costs draft quality only, never correctness, since the target verifies.
+
+Prefill runs the target over every prompt position, then each MTP block over the prompt's tail
+that a draft can see (its window + 1 positions; see ``_prefill_tail``), so its cost does not grow
+with the prompt.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
 
 from hal.errors import SpecError
-from hal.metadata import AttentionMetadata
+from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec
 from hal.speculative.chain import greedy_accept, rotate_input_ids
@@ -100,16 +104,20 @@ class MultiLayerEagleWorker(TargetEngine):
         return forwards, accept_lengths
 
     def _prefill(self, requests: list[Request], eos_token_ids: frozenset[int]) -> torch.Tensor:
-        """Target EXTEND, then MTP block k over the prompts with the ids rotated k + 1 times: the first
-        drafts. Returns each request's first verify ids ``[bonus, d1..dS]``, on the device."""
+        """Target EXTEND, then MTP block k over the prompts' tails with the ids rotated k + 1 times:
+        the first drafts. Returns each request's first verify ids ``[bonus, d1..dS]``, on the device."""
         ids, hidden, metadata, last_rows, next_tokens = self._prefill_target(requests)
-        mtp_metadata = self._for_mtp_pool(metadata, ForwardMode.EXTEND)
-        attend = KernelAttend(self.mtp_attention, mtp_metadata)
+        tails: dict[int | None, tuple[AttentionMetadata, torch.Tensor]] = {}
         ids = rotate_input_ids(ids, last_rows, next_tokens)
         drafts = []
         for k in range(self.num_steps):
-            h = self.model.mtp_hidden(k, ids, hidden, mtp_metadata.positions, attend)
-            drafts.append(self.model.logits(h[last_rows]).argmax(-1))
+            window = self.draft_layers[k].sliding_window
+            if window not in tails:
+                tails[window] = self._prefill_tail(requests, metadata, window)
+            tail_metadata, rows = tails[window]
+            h = self.model.mtp_hidden(k, ids[rows], hidden[rows], tail_metadata.positions,
+                                      KernelAttend(self.mtp_attention, tail_metadata))
+            drafts.append(self.model.logits(h[tail_metadata.cu_q_lens[1:].long() - 1]).argmax(-1))
             ids = rotate_input_ids(ids, last_rows, drafts[-1])
         verify_ids = self.tp.broadcast(torch.stack([next_tokens, *drafts], 1))
         for r, (token, *d) in zip(requests, verify_ids.tolist()):  # the prefill's one read-back
@@ -119,6 +127,32 @@ class MultiLayerEagleWorker(TargetEngine):
             if r.finished:
                 self._finish(r)
         return verify_ids
+
+    def _prefill_tail(
+        self, requests: Sequence[Request], metadata: AttentionMetadata, window: int | None
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """EXTEND metadata on the MTP pool for the last ``window + 1`` prompt positions of each
+        request (every position without a window), and those positions' rows in the prompt batch.
+
+        An MTP block is one layer reading the target's hidden states, so its K/V at a position needs
+        nothing of the block's own earlier positions. Every later read of it (the last prompt row, then
+        the draft rows at ``L ..``) sees positions ``>= L - 1 - window``: the tail is all of the prompt
+        a draft can see, whatever the prompt's length. The tail's earlier rows see keys before it that
+        were never written; their outputs are discarded (only each request's last row is read), and
+        nothing crosses rows in a layer."""
+        lengths = [len(r.prompt) for r in requests]
+        tail = [n if window is None else min(n, window + 1) for n in lengths]
+        rows = torch.tensor([i for end, t in zip(metadata.cu_q_lens_cpu, tail) for i in range(end - t, end)],
+                            dtype=torch.int64)
+        tail_metadata = build_metadata(
+            ForwardMode.EXTEND,
+            kv_lens=lengths,
+            q_lens=tail,
+            page_table=self.page_table.table([r.rid for r in requests]),
+            out_cache_loc=self.page_table.slot_list([(r.rid, n - t, n) for r, n, t in zip(requests, lengths, tail)]),
+            pool=self.target_pool,
+        )
+        return self._for_mtp_pool(tail_metadata, ForwardMode.EXTEND), rows.to(self.device)
 
     def _step(self, active: list[Request], verify_ids: torch.Tensor, eos_token_ids: frozenset[int]) -> tuple[torch.Tensor, list[int]]:
         """One verify + accept + draft round for every active request, whose ``[bonus, d1..dS]`` rows

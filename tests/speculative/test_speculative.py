@@ -284,6 +284,35 @@ def test_prefill_and_draft_extend_produce_the_dense_drafts(model: TinyMiMo) -> N
     assert spec.allocator.num_free_pages == spec.allocator.num_pages
 
 
+def test_prefill_writes_mtp_kv_only_for_the_positions_a_draft_can_see(model: TinyMiMo) -> None:
+    """The MTP blocks' SWA window W: their prefill covers each prompt's last W + 1 positions, where the
+    first draft and every later one read, and leaves the MTP pool's rows of earlier positions as they
+    were; the target's pool holds every prompt position. The drafts equal the dense ones over the whole
+    prompt (``test_prefill_and_draft_extend_produce_the_dense_drafts``)."""
+    _, spec = engines(model, "cpu", 3, 16)
+    window = spec.draft_layers[0].sliding_window
+    prompts = [list(range(1, 4 * window)), [7] * (window + 1), [9, 8, 7]]
+    requests = spec._new_requests(prompts, 4)
+    sentinel = 1234.5
+    for layer in range(spec.mtp_pool.spec.num_layers):
+        spec.mtp_pool.k_buffer(layer).fill_(sentinel)
+    try:
+        with torch.no_grad():
+            spec._prefill(requests, frozenset())
+        for r in requests:
+            n = len(r.prompt)
+            slots = spec.page_table.slots(r.rid, range(n))
+            for layer in range(spec.mtp_pool.spec.num_layers):
+                rows = spec.mtp_pool.k_buffer(layer).view(-1, *spec.mtp_pool.k_buffer(layer).shape[2:])[slots]
+                written = (rows != sentinel).flatten(1).any(1).tolist()
+                assert written == [p >= n - 1 - window for p in range(n)], (r.rid, layer)
+            target = spec.target_pool.k_buffer(0).view(-1, *spec.target_pool.k_buffer(0).shape[2:])[slots]
+            assert bool((target != 0).flatten(1).any(1).all())
+    finally:
+        for r in requests:
+            spec._finish(r)
+
+
 def test_draft_extend_rows_carry_the_rotated_tokens(model: TinyMiMo) -> None:
     """At draft step k the row at position p (up to the last accepted row) is fed token p + k + 1:
     verified tokens first, then the bonus, then the fresh drafts d1'..dk' of this iteration."""
