@@ -47,6 +47,7 @@ _EXPORTS = {
     "SplitKVPool": "hal.kv_pool",
     "AttentionMetadata": "hal.metadata",
     "build_metadata": "hal.metadata",
+    "ForwardPlan": "hal.plan",
     "AttentionKernel": "hal.protocols",
     "Availability": "hal.protocols",
     "Backend": "hal.protocols",
@@ -102,6 +103,7 @@ if TYPE_CHECKING:
     from hal.graph_runner import GraphRunner
     from hal.kv_pool import SplitKVPool
     from hal.metadata import AttentionMetadata, build_metadata
+    from hal.plan import ForwardPlan
     from hal.protocols import AttentionKernel, Availability, Backend, Graph, KVPool
     from hal.registry import get_backend, list_backends, parse_device, register_backend, unregister_backend
     from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec

@@ -1,11 +1,13 @@
 """``AttentionKernelBase``: the attention-kernel template every backend fills in.
 
-``forward`` is written once, here, in the order that keeps a refused call harmless:
+``plan(metadata)`` is the step a caller takes once per forward (``hal.plan.ForwardPlan``: the
+metadata checked against this kernel's pool); ``forward`` is written once, here, in the order that
+keeps a refused call harmless:
 
-1. ``validate_attention_call``: shapes, dtypes, devices and SWA routing of every argument;
+1. the plan fits this pool and capture; ``validate_attention_call``: shapes, dtypes, devices and SWA routing of every argument;
 2. ``check_supported``: the backend's own limits (``UnsupportedConfigError``), before any write;
 3. ``pool.set_kv_for_forward``: the new K/V (when ``save_kv_cache``);
-4. ``_attend``: the hardware-specific part, over the paged cache.
+4. ``_attend``: the hardware-specific part, over the paged cache, with the forward's plan.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 
 from hal.errors import UnsupportedConfigError
 from hal.graph import record_updatable_call
+from hal.errors import SpecError
 from hal.metadata import AttentionMetadata
+from hal.plan import ForwardPlan
 from hal.protocols import KVPool
 from hal.spec import LayerSpec
 from hal.validation import validate_attention_call
@@ -37,24 +41,33 @@ class AttentionKernelBase:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
+    def plan(self, metadata: AttentionMetadata) -> ForwardPlan:
+        """The plan of one forward over this kernel's pool: ``metadata`` checked against the pool
+        (typed errors before anything is written). Hand it to every layer's ``forward``."""
+        return ForwardPlan(metadata, self.pool)
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
         k: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None only with save_kv_cache=False
         v: torch.Tensor | None,  # [T, num_kv_heads, v_head_dim]; likewise
         layer: LayerSpec,
-        metadata: AttentionMetadata,
+        plan: ForwardPlan,
         save_kv_cache: bool = True,
         *,
         sinks: torch.Tensor | None = None,  # [num_q_heads], when layer.has_sinks
     ) -> torch.Tensor:  # [T, num_q_heads, v_head_dim]
         """Validate, check support, write the new K/V, then attend over the paged cache."""
-        validate_attention_call(self.pool, q, k, v, layer, metadata, sinks, save_kv_cache)
-        self.check_supported(layer, metadata)
+        where = f"{type(self).__name__}.forward"
+        if not isinstance(plan, ForwardPlan):
+            raise SpecError(f"{where} takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
+        plan.check_usable(self.pool, where)
+        validate_attention_call(self.pool, q, k, v, layer, plan.metadata, sinks, save_kv_cache)
+        self.check_supported(layer, plan.metadata)
         if save_kv_cache:
             assert k is not None and v is not None  # validate_attention_call checked them
-            self.pool.set_kv_for_forward(layer.layer_id, metadata, k, v)
-        return self._attend(q, layer, metadata, sinks)
+            self.pool.set_kv_for_forward(layer.layer_id, plan, k, v)
+        return self._attend(q, layer, plan, sinks)
 
     @classmethod
     def unsupported_reason(
@@ -74,9 +87,10 @@ class AttentionKernelBase:
             raise UnsupportedConfigError(f"{type(self).__name__}, layer {layer.layer_id}: {reason}")
 
     def _attend(
-        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        """Attention of ``q`` over the layer's paged cache (the new K/V already written)."""
+        """Attention of ``q`` over the layer's paged cache (the new K/V already written); what the
+        kernel derives from the metadata for a kind of layer goes in ``plan.per_layer_kind``."""
         raise NotImplementedError(f"{type(self).__name__} must implement _attend")
 
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
@@ -93,13 +107,15 @@ class AttentionKernelBase:
         paged_attention: Callable[..., torch.Tensor],
         q: torch.Tensor,
         layer: LayerSpec,
-        metadata: AttentionMetadata,
+        plan: ForwardPlan,
         sinks: torch.Tensor | None,
-        **options: Any,
+        /,
+        **options: Any,  # the kernel's own keywords (positional-only above: a kernel may take ``plan``)
     ) -> torch.Tensor:
         """Call a kernel with ``hal.oracle.paged_oracle``'s signature on this layer's sub-pool:
         ``paged_attention(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, scaling=...,
         sliding_window=..., sinks=..., **options)``."""
+        metadata = plan.metadata
         return paged_attention(
             q,
             self.pool.k_buffer(layer.layer_id),

@@ -13,7 +13,7 @@ import torch
 
 from hal.errors import BatchTooLargeError, GraphError, SpecError
 from hal.graph import GraphUpdate
-from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
+from hal.metadata import AttentionMetadata, build_metadata, check_metadata_against
 from hal.protocols import AttentionKernel, Backend, Graph
 from hal.spec import ForwardMode, int_at_least
 
@@ -278,7 +278,6 @@ class GraphRunner:
         if any(q != tpr for q in metadata.q_lens_cpu):
             raise SpecError(f"GraphRunner: every request must have {tpr} tokens, got q_lens {metadata.q_lens_cpu}")
         self._check_inputs(inputs, b * tpr)
-        metadata.check_against(self.attention.pool)  # the eager path checks the same in every kernel call
         # A runner that runs batches eagerly refuses exactly what a replaying one refuses, so engine
         # code tested on one backend behaves alike on every other.
         bs = self.padded_batch_size(b)
@@ -296,7 +295,75 @@ class GraphRunner:
             raise GraphError("GraphRunner.run: capture() first")
         if not self.replay_captured:
             return self.forward(inputs, metadata)
+        # A replay runs no Python of the forward, so no plan step: its metadata is checked here.
+        check_metadata_against(metadata, self.attention.pool)
         entry = self._captured[bs]
         padded = pad_metadata(metadata, bs, fill=self.fill, max_pages=self.max_pages_per_request, q_len=tpr)
         copies = tuple((entry.inputs[name][: b * tpr], value) for name, value in inputs.items())
         return _slice_rows(entry.forward.replay(padded, copies), b * tpr)
+
+
+def pad_metadata(
+    metadata: AttentionMetadata, batch_size: int, *, fill: int, max_pages: int, q_len: int | None = None
+) -> AttentionMetadata:
+    """Pad a uniform-q-len batch to ``batch_size`` requests and ``max_pages`` block-table columns.
+
+    Padded requests carry the same q_len as the real ones, write to slot 0 (the padding slot),
+    read page 0 only, and have ``kv_len = fill + q_len - 1`` (so their first token sees ``fill``
+    keys, as ``seq_len_fill_value`` means). ``q_len`` is the per-request query length, needed
+    when the batch is empty (default 1 then). Runs on the device; reads no device memory.
+    """
+    b = metadata.batch_size
+    if batch_size < b:
+        raise SpecError(f"pad_metadata: batch_size={batch_size} is below the real batch of {b}")
+    if not isinstance(fill, int) or isinstance(fill, bool) or fill < 1:
+        raise SpecError(
+            f"pad_metadata: fill must be an int >= 1, got {fill!r} (kv_lens include the new tokens, so a "
+            "padded request's first token sees at least itself)"
+        )
+    if b and q_len is not None and q_len != metadata.q_lens_cpu[0]:
+        raise SpecError(f"pad_metadata: q_len={q_len} but the batch has q_len {metadata.q_lens_cpu[0]}")
+    if not metadata.mode.has_uniform_query_len():
+        raise SpecError(f"pad_metadata: {metadata.mode.name} batches have ragged q_lens and cannot be padded")
+    if metadata.block_table.shape[1] > max_pages:
+        raise SpecError(
+            f"pad_metadata: block table has {metadata.block_table.shape[1]} pages, more than max_pages={max_pages}"
+        )
+    q_len = metadata.q_lens_cpu[0] if b else (1 if q_len is None else q_len)
+    pad = batch_size - b
+    pad_kv = fill + q_len - 1
+    dev = metadata.kv_lens.device
+
+    kv_lens = torch.cat([metadata.kv_lens, torch.full((pad,), pad_kv, dtype=metadata.kv_lens.dtype, device=dev)])
+    q_lens = torch.cat([metadata.q_lens, torch.full((pad,), q_len, dtype=metadata.q_lens.dtype, device=dev)])
+    cu = torch.zeros(batch_size + 1, dtype=metadata.cu_q_lens.dtype, device=dev)
+    cu[1:] = torch.cumsum(q_lens, 0)
+    pad_pos = torch.arange(fill - 1, fill - 1 + q_len, device=dev, dtype=metadata.positions.dtype).repeat(pad)
+    return AttentionMetadata(
+        mode=metadata.mode,
+        page_size=metadata.page_size,
+        kv_lens_cpu=metadata.kv_lens_cpu + (pad_kv,) * pad,
+        q_lens_cpu=metadata.q_lens_cpu + (q_len,) * pad,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        cu_q_lens=cu,
+        positions=torch.cat([metadata.positions, pad_pos]),
+        out_cache_loc=torch.cat(
+            [metadata.out_cache_loc, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc.dtype, device=dev)]
+        ),
+        block_table=_padded_table(metadata.block_table, batch_size, max_pages),
+        swa_block_table=None if metadata.swa_block_table is None else _padded_table(metadata.swa_block_table, batch_size, max_pages),
+        out_cache_loc_host=None if metadata.out_cache_loc_host is None else torch.cat(
+            [metadata.out_cache_loc_host, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc_host.dtype)]
+        ),
+        block_table_host=None if metadata.block_table_host is None else _padded_table(
+            metadata.block_table_host, batch_size, max_pages
+        ),
+    )
+
+
+def _padded_table(table: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """``table`` in the top-left corner of a ``rows x columns`` table of zeros (the padding page)."""
+    out = torch.zeros((rows, columns), dtype=table.dtype, device=table.device)
+    out[: table.shape[0], : table.shape[1]] = table
+    return out

@@ -17,7 +17,7 @@ from hal.graph import is_capturing
 from hal.spec import KVPoolSpec
 
 if TYPE_CHECKING:
-    from hal.metadata import AttentionMetadata
+    from hal.plan import ForwardPlan
 
 
 class SplitKVPool:
@@ -224,13 +224,13 @@ class SplitKVPool:
             self.check_slots(loc.cpu(), f"set_kv layer {layer}", swa=self.is_swa_layer(layer))
         self._write_slots(layer, self.translate_loc(layer, loc.long()), k, v)
 
-    def set_kv_for_forward(self, layer: int, metadata: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``set_kv`` at ``metadata.out_cache_loc`` with the slot checks done once per forward."""
-        loc = metadata.out_cache_loc
+    def set_kv_for_forward(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``set_kv`` at the plan's ``out_cache_loc``, whose slots the plan step checked once."""
+        plan.check_usable(self, f"set_kv_for_forward layer {layer}")
+        loc = plan.metadata.out_cache_loc
         self._validate(layer, loc, k, v)
-        metadata.check_against(self)
         swa = self.is_swa_layer(layer)
-        slots = metadata.cached(("pool-slots", id(self), swa), lambda: self.translate_loc(layer, loc.long()))
+        slots = plan.per_layer_kind(("pool-slots", swa), lambda: self.translate_loc(layer, loc.long()))
         self._write_slots(layer, slots, k, v)
 
     def _write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -16,18 +16,15 @@ Conventions (shared by every backend):
 from __future__ import annotations
 
 import itertools
-import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
 
 from hal.errors import KVLayoutError, SpecError
-from hal.graph import capture_id, is_capturing
+from hal.graph import is_capturing
 from hal.spec import ForwardMode, KVPoolSpec, int_at_least, strict_ints
-
-T = TypeVar("T")
 
 
 def _check_request_lengths(where: str, q_lens: Sequence[int], kv_lens: Sequence[int]) -> None:
@@ -84,12 +81,6 @@ class AttentionMetadata:
     # device sync. None when the metadata was built from device tensors directly.
     out_cache_loc_host: torch.Tensor | None = attrs.field(default=None, repr=False)
     block_table_host: torch.Tensor | None = attrs.field(default=None, repr=False)
-    _checked_pools: weakref.WeakSet[Any] = attrs.field(factory=weakref.WeakSet, init=False, repr=False)
-    # Per-forward data derived from this record (kernel plans, translated slots), by key, with
-    # the graph capture it was derived in (0: none); see ``cached``.
-    _derived: dict[Any, tuple[int, Any]] = attrs.field(factory=dict, init=False, repr=False)
-    _num_tokens: int = attrs.field(default=0, init=False, repr=False)
-
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mode, ForwardMode):
             raise SpecError(f"AttentionMetadata.mode must be a hal.ForwardMode, got {self.mode!r}")
@@ -133,41 +124,6 @@ class AttentionMetadata:
                     f"AttentionMetadata.{name} holds {table.shape[1]} pages of {self.page_size} "
                     f"tokens, too few for kv_len {max(self.kv_lens_cpu)}"
                 )
-        object.__setattr__(self, "_num_tokens", t)
-
-    def cached(self, key: Any, build: Callable[[], T]) -> T:
-        """``build()`` once per key for this record, shared by every layer of the forward (and again
-        inside each graph capture, so the capture records the ops that derive it)."""
-        stamp = capture_id()
-        hit = self._derived.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]  # type: ignore[no-any-return]
-        value = build()
-        self._derived[key] = (stamp, value)
-        return value
-
-    def check_against(self, pool: AddressedPool) -> None:
-        """Raise a typed error, before anything is written, if a slot or page id does not fit ``pool``:
-        slots in range (and SWA-mapped on a hybrid pool), page ids in ``0..num_pages``, the page size.
-
-        Reads the host copies; without them (metadata built from device tensors) it reads the
-        device tensors, except inside a graph capture, where the runner checks each replay's
-        metadata instead. Checked once per (metadata, pool), with the devices of its tensors."""
-        if pool in self._checked_pools:
-            return
-        if self.page_size != pool.spec.page_size:
-            raise SpecError(f"metadata.page_size={self.page_size} but the pool's page_size is {pool.spec.page_size}")
-        for name, tensor in self.tensors().items():
-            if tensor.device != pool.device:
-                raise KVLayoutError(f"metadata.{name} is on {tensor.device}, the KV pool is on {pool.device}")
-        loc, table = self.out_cache_loc_host, self.block_table_host
-        if loc is None or table is None:
-            if is_capturing():
-                return
-            loc, table = self.out_cache_loc.cpu(), self.block_table.cpu()
-        pool.check_slots(loc, "metadata.out_cache_loc")
-        pool.check_pages(table, "metadata.block_table")
-        self._checked_pools.add(pool)
 
     @property
     def batch_size(self) -> int:
@@ -177,7 +133,7 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         """Packed query tokens (rows of q, k and v)."""
-        return self._num_tokens
+        return self.positions.shape[0]  # type: ignore[no-any-return]
 
     @property
     def cu_q_lens_cpu(self) -> tuple[int, ...]:
@@ -197,6 +153,29 @@ class AttentionMetadata:
         return out
 
 
+def check_metadata_against(metadata: AttentionMetadata, pool: AddressedPool) -> None:
+    """Raise a typed error, before anything is written, if ``metadata`` does not fit ``pool``: the
+    page size, the devices of its tensors, slots in range (and SWA-mapped on a hybrid pool), page
+    ids in ``0..num_pages``. What ``hal.ForwardPlan`` checks once per forward.
+
+    Reads the host copies; without them (metadata built from device tensors) it reads the device
+    tensors. Inside a graph capture it checks the page size and devices only: a capture reads no
+    values on the host, and whoever replays checks each replay's metadata (``GraphRunner.run``, an
+    engine adapter's refresh)."""
+    if metadata.page_size != pool.spec.page_size:
+        raise SpecError(f"metadata.page_size={metadata.page_size} but the pool's page_size is {pool.spec.page_size}")
+    for name, tensor in metadata.tensors().items():
+        if tensor.device != pool.device:
+            raise KVLayoutError(f"metadata.{name} is on {tensor.device}, the KV pool is on {pool.device}")
+    if is_capturing():
+        return
+    loc, table = metadata.out_cache_loc_host, metadata.block_table_host
+    if loc is None or table is None:
+        loc, table = metadata.out_cache_loc.cpu(), metadata.block_table.cpu()
+    pool.check_slots(loc, "metadata.out_cache_loc")
+    pool.check_pages(table, "metadata.block_table")
+
+
 def build_metadata(
     mode: ForwardMode,
     *,
@@ -213,7 +192,9 @@ def build_metadata(
 
     ``page_table`` lists each request's pages in order (ragged lists, or a 2-D tensor);
     it is padded with 0 to ``max_pages`` columns (default: the most any request needs).
-    With a hybrid SWA ``pool`` the SWA block table is derived through the pool's mapping.
+    ``pool`` gives the page size, device and page range; with a hybrid SWA pool the SWA block
+    table is derived through its mapping. Slots are checked against a pool by the plan step
+    (``AttentionKernel.plan``), once per forward and kernel.
     """
     if pool is not None:
         page_size = pool.spec.page_size if page_size is None else page_size
@@ -277,8 +258,6 @@ def build_metadata(
     if loc.numel() and int(loc.min()) < 0:
         raise SpecError(f"build_metadata: out_cache_loc has the negative slot {int(loc.min())}, expected slots >= 0")
     _check_distinct_slots(loc, page_size)
-    if pool is not None:
-        metadata.check_against(pool)
     return metadata
 
 
@@ -402,68 +381,3 @@ def _check_distinct_slots(loc: torch.Tensor, page_size: int) -> None:
     if repeated is not None:
         raise SpecError(f"build_metadata: out_cache_loc writes slot {repeated} more than once (only padding page 0 may repeat)")
 
-
-def pad_metadata(
-    metadata: AttentionMetadata, batch_size: int, *, fill: int, max_pages: int, q_len: int | None = None
-) -> AttentionMetadata:
-    """Pad a uniform-q-len batch to ``batch_size`` requests and ``max_pages`` block-table columns.
-
-    Padded requests carry the same q_len as the real ones, write to slot 0 (the padding slot),
-    read page 0 only, and have ``kv_len = fill + q_len - 1`` (so their first token sees ``fill``
-    keys, as ``seq_len_fill_value`` means). ``q_len`` is the per-request query length, needed
-    when the batch is empty (default 1 then). Runs on the device; reads no device memory.
-    """
-    b = metadata.batch_size
-    if batch_size < b:
-        raise SpecError(f"pad_metadata: batch_size={batch_size} is below the real batch of {b}")
-    if not isinstance(fill, int) or isinstance(fill, bool) or fill < 1:
-        raise SpecError(
-            f"pad_metadata: fill must be an int >= 1, got {fill!r} (kv_lens include the new tokens, so a "
-            "padded request's first token sees at least itself)"
-        )
-    if b and q_len is not None and q_len != metadata.q_lens_cpu[0]:
-        raise SpecError(f"pad_metadata: q_len={q_len} but the batch has q_len {metadata.q_lens_cpu[0]}")
-    if not metadata.mode.has_uniform_query_len():
-        raise SpecError(f"pad_metadata: {metadata.mode.name} batches have ragged q_lens and cannot be padded")
-    if metadata.block_table.shape[1] > max_pages:
-        raise SpecError(
-            f"pad_metadata: block table has {metadata.block_table.shape[1]} pages, more than max_pages={max_pages}"
-        )
-    q_len = metadata.q_lens_cpu[0] if b else (1 if q_len is None else q_len)
-    pad = batch_size - b
-    pad_kv = fill + q_len - 1
-    dev = metadata.kv_lens.device
-
-    kv_lens = torch.cat([metadata.kv_lens, torch.full((pad,), pad_kv, dtype=metadata.kv_lens.dtype, device=dev)])
-    q_lens = torch.cat([metadata.q_lens, torch.full((pad,), q_len, dtype=metadata.q_lens.dtype, device=dev)])
-    cu = torch.zeros(batch_size + 1, dtype=metadata.cu_q_lens.dtype, device=dev)
-    cu[1:] = torch.cumsum(q_lens, 0)
-    pad_pos = torch.arange(fill - 1, fill - 1 + q_len, device=dev, dtype=metadata.positions.dtype).repeat(pad)
-    return AttentionMetadata(
-        mode=metadata.mode,
-        page_size=metadata.page_size,
-        kv_lens_cpu=metadata.kv_lens_cpu + (pad_kv,) * pad,
-        q_lens_cpu=metadata.q_lens_cpu + (q_len,) * pad,
-        kv_lens=kv_lens,
-        q_lens=q_lens,
-        cu_q_lens=cu,
-        positions=torch.cat([metadata.positions, pad_pos]),
-        out_cache_loc=torch.cat(
-            [metadata.out_cache_loc, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc.dtype, device=dev)]
-        ),
-        block_table=_padded_table(metadata.block_table, batch_size, max_pages),
-        swa_block_table=None if metadata.swa_block_table is None else _padded_table(metadata.swa_block_table, batch_size, max_pages),
-        out_cache_loc_host=None if metadata.out_cache_loc_host is None else torch.cat(
-            [metadata.out_cache_loc_host, torch.zeros(pad * q_len, dtype=metadata.out_cache_loc_host.dtype)]
-        ),
-        block_table_host=None if metadata.block_table_host is None else _padded_table(
-            metadata.block_table_host, batch_size, max_pages
-        ),
-    )
-
-
-def _padded_table(table: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """``table`` in the top-left corner of a ``rows x columns`` table of zeros (the padding page)."""
-    out = torch.zeros((rows, columns), dtype=table.dtype, device=table.device)
-    out[: table.shape[0], : table.shape[1]] = table
-    return out

@@ -23,7 +23,7 @@ import torch
 
 from hal.attention import AttentionKernelBase
 from hal.errors import SpecError
-from hal.metadata import AttentionMetadata
+from hal.plan import ForwardPlan
 from hal.spec import LayerSpec
 
 
@@ -124,9 +124,9 @@ class OracleAttention(AttentionKernelBase):
     lengths and block tables on the host."""
 
     def _attend(
-        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        return self._paged(paged_oracle, q, layer, metadata, sinks).to(q.dtype)
+        return self._paged(paged_oracle, q, layer, plan, sinks).to(q.dtype)
 
 
 __all__ = ["OracleAttention", "dense_attention", "paged_oracle", "request_rows"]

@@ -30,6 +30,7 @@ import torch
 
 from hal.graph import GraphUpdate
 from hal.metadata import AddressedPool, AttentionMetadata
+from hal.plan import ForwardPlan
 from hal.spec import KVPoolSpec, LayerSpec
 
 T = TypeVar("T")
@@ -49,10 +50,10 @@ class KVPool(AddressedPool, Protocol):
         """Write ``k[i]``/``v[i]`` at full-pool slot ``loc[i]``; bad input raises and writes nothing."""
         ...
 
-    def set_kv_for_forward(self, layer: int, metadata: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``set_kv`` at ``metadata.out_cache_loc``, what an attention kernel writes every layer: the
-        slot ids are checked once per forward (``metadata.check_against``) and what is derived from
-        them (SWA slots) is computed once per metadata, so a layer reads no device values."""
+    def set_kv_for_forward(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``set_kv`` at the plan's ``out_cache_loc``, what an attention kernel writes every layer: the
+        plan step checked the slot ids once per forward, and what is derived from them (SWA slots) is
+        derived once per plan, so a layer reads no device values."""
         ...
 
     def k_buffer(self, layer: int) -> torch.Tensor:
@@ -93,13 +94,18 @@ class AttentionKernel(Protocol):
     # KV length of a padded request's first token in a padded graph batch (0 or 1 usually).
     seq_len_fill_value: int
 
+    def plan(self, metadata: AttentionMetadata) -> ForwardPlan:
+        """One forward's plan over this kernel's pool (``hal.plan``): the caller asks once per
+        forward, inside the capture when the forward is captured, and hands it to every layer."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_q_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, v_head_dim]
         layer: LayerSpec,
-        metadata: AttentionMetadata,
+        plan: ForwardPlan,
         save_kv_cache: bool = True,
         *,
         sinks: torch.Tensor | None = None,  # [num_q_heads], when layer.has_sinks

@@ -4,12 +4,13 @@ Adding a backend (device type ``mydev``; ``tests/tools/oot_backend/site/hal_oot_
 
 1. **Pool**: subclass ``SplitKVPool``; override ``_allocate(shape)`` and ``_write_rows(buffer, loc,
    rows)`` only where your memory or write op differs. Layout, SWA mapping and validation come with it.
-2. **Kernel**: subclass ``AttentionKernelBase`` and implement ``_attend(q, layer, metadata, sinks)``;
+2. **Kernel**: subclass ``AttentionKernelBase`` and implement ``_attend(q, layer, plan, sinks)``;
    where your op has limits, the classmethod ``unsupported_reason(layer, kv_dtype, page_size,
    max_q_len, batch_size)`` (a sentence, or None): ``Backend.unsupported_reason`` answers with it
    before anything is built, and ``forward`` (which validates every argument) raises it as an
    ``UnsupportedConfigError`` before writing K/V, then calls ``_attend``. Route SWA layers with
-   ``self.block_table(layer, metadata)``. Set ``seq_len_fill_value``.
+   ``self.block_table(layer, plan.metadata)``; what you derive from the metadata for a kind of
+   layer goes in ``plan.per_layer_kind`` (once per forward). Set ``seq_len_fill_value``.
 3. **Host-side op arguments** (like FIA's ``actual_seq_kvlen``, baked into a captured op): call
    ``self.record_updatable_call(layer)`` where each such op is issued and return its arguments from
    ``updatable_params(metadata, layer)``. Kernels that read only device tensors do neither.
@@ -49,6 +50,7 @@ from hal.errors import (
 from hal.graph import EagerGraph, GraphBase, GraphUpdate, copy_into, is_capturing
 from hal.kv_pool import SplitKVPool, copy_rows
 from hal.metadata import AttentionMetadata
+from hal.plan import ForwardPlan
 from hal.protocols import Availability, KVPool
 from hal.oracle import OracleAttention, dense_attention, paged_oracle
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
@@ -62,6 +64,7 @@ __all__ = [
     "CacheLocationError",
     "EagerGraph",
     "ForwardMode",
+    "ForwardPlan",
     "GraphBase",
     "GraphError",
     "GraphUpdate",

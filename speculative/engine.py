@@ -26,12 +26,13 @@ from hal.speculative.contract import EngineModel, ModelSpec
 
 
 class KernelAttend:
-    """The model's ``Attend`` for one forward: casts q/k/v (and sinks) to the KV-cache dtype,
+    """The model's ``Attend`` for one forward: the kernel's plan for the forward's metadata, made
+    once here and handed to every layer; each call casts q/k/v (and sinks) to the KV-cache dtype,
     calls the hal kernel, and casts the output back to the model's compute dtype."""
 
     def __init__(self, kernel: AttentionKernel, metadata: AttentionMetadata) -> None:
         self.kernel = kernel
-        self.metadata = metadata
+        self.plan = kernel.plan(metadata)
         self.dtype = kernel.pool.spec.dtype
 
     def __call__(
@@ -39,7 +40,7 @@ class KernelAttend:
     ) -> torch.Tensor:
         dt = self.dtype
         out = self.kernel.forward(
-            q.to(dt), k.to(dt), v.to(dt), layer, self.metadata, sinks=None if sinks is None else sinks.to(dt)
+            q.to(dt), k.to(dt), v.to(dt), layer, self.plan, sinks=None if sinks is None else sinks.to(dt)
         )
         return out.to(q.dtype)
 

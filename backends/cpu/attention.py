@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hal.backends.cpu.paged_attention import GatherWorkspace, paged_attention, plan_attention
-from hal.sdk import AttentionKernelBase, AttentionMetadata, KVPool, LayerSpec
+from hal.sdk import AttentionKernelBase, ForwardPlan, KVPool, LayerSpec
 
 
 class CpuAttention(AttentionKernelBase):
@@ -31,20 +31,21 @@ class CpuAttention(AttentionKernelBase):
         return workspace
 
     def _attend(
-        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
+        metadata = plan.metadata
         table = self.block_table(layer, metadata)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
         # torch's fused attention takes no sink logit, and is slower than the explicit matmuls where
         # the qk and v head dims differ
         fused = sinks is None and dk == dv
-        key = ("cpu-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
+        kind = ("cpu-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
 
-        def plan() -> Any:
+        def index_plan() -> Any:
             return plan_attention(metadata.kv_lens_cpu, metadata.q_lens_cpu, table, self.pool.spec.page_size,
                                   sliding_window=layer.sliding_window, token_bytes=heads * (dk + dv) * 4, fused=fused,
                                   in_place=True)
 
-        # Layers of one kind share the plan: index tensors and masks are built once per forward.
-        return self._paged(paged_attention, q, layer, metadata, sinks, workspace=self.workspace,
-                           plan=metadata.cached(key, plan))
+        # Layers of one kind share the index plan: index tensors and masks are built once per forward.
+        return self._paged(paged_attention, q, layer, plan, sinks, workspace=self.workspace,
+                           plan=plan.per_layer_kind(kind, index_plan))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hal.sdk import AttentionKernelBase, AttentionMetadata, LayerSpec
+from hal.sdk import AttentionKernelBase, ForwardPlan, LayerSpec
 
 
 class CudaAttention(AttentionKernelBase):
@@ -23,10 +23,11 @@ class CudaAttention(AttentionKernelBase):
         return head_dims_reason(layer.head_dim, layer.v_head_dim)
 
     def _attend(
-        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         from hal.backends.cuda.triton_attention import paged_attention
 
         # Tile height follows the rows per request, which only uniform-length modes fix.
+        metadata = plan.metadata
         rows_hint = metadata.q_lens_cpu[0] if metadata.mode.has_uniform_query_len() and metadata.q_lens_cpu else 64
-        return self._paged(paged_attention, q, layer, metadata, sinks, query_rows_hint=rows_hint)
+        return self._paged(paged_attention, q, layer, plan, sinks, query_rows_hint=rows_hint)

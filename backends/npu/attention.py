@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hal.backends.npu import runtime
-from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, KVPool, LayerSpec
+from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, ForwardPlan, KVPool, LayerSpec
 
 INT_MAX = 2147483647
 SPARSE_RIGHT_DOWN_CAUSAL = 3
@@ -152,8 +152,9 @@ class NpuAttention(AttentionKernelBase):
         return kwargs
 
     def _attend(
-        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
+        metadata = plan.metadata
         if metadata.num_tokens == 0:
             return q.new_zeros((0, layer.num_q_heads, layer.v_head_dim))
         page_size = self.pool.spec.page_size

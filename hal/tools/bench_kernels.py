@@ -193,8 +193,10 @@ def bench_attention(s: _Setup, mode: ForwardMode, *, window: int | None = None, 
         dense_k, dense_v = dense_k[:, :, -(window + 1) :].contiguous(), dense_v[:, :, -(window + 1) :].contiguous()
     dense_q = q.view(batch, q_len, c.q_heads, c.head_dim).transpose(1, 2).contiguous()
 
+    plan = attn.plan(md)  # one plan per forward, shared by a model's layers: timed per layer without it
+
     def paged() -> torch.Tensor:
-        return attn.forward(q, k_new, v_new, layer, md, save_kv_cache=False)
+        return attn.forward(q, k_new, v_new, layer, plan, save_kv_cache=False)
 
     baselines = _dense_baselines(dense_q, dense_k, dense_v, layer.scaling, decode)
     expect = paged().float().view(batch, q_len, c.q_heads, c.v_head_dim).transpose(1, 2).cpu()
@@ -214,7 +216,7 @@ def bench_attention(s: _Setup, mode: ForwardMode, *, window: int | None = None, 
 
 
 def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]] | None:
-    """(forward through hal, the backend's own ops called directly, metadata build) for one decode
+    """(forward through hal, the backend's own ops called directly, metadata build and plan) for one decode
     step; None for a backend not built on hal's pool and kernel bases (no own ops to call)."""
     c, layer = s.cfg, s.layer()
     lengths = [kv_len] * batch
@@ -227,32 +229,33 @@ def _dispatch_pair(s: _Setup, batch: int, kv_len: int) -> tuple[Callable[[], Any
     q = s.randn(batch, c.q_heads, c.head_dim)
     k, v = s.randn(batch, c.kv_heads, c.head_dim), s.randn(batch, c.kv_heads, c.v_head_dim)
 
-    def metadata() -> Any:
-        return build_metadata(ForwardMode.DECODE, kv_lens=lengths, q_lens=[1] * batch, page_table=pages, out_cache_loc=loc, pool=pool)
+    def plan_step() -> Any:
+        md = build_metadata(ForwardMode.DECODE, kv_lens=lengths, q_lens=[1] * batch, page_table=pages, out_cache_loc=loc, pool=pool)
+        return attn.plan(md)
 
-    md = metadata()
+    plan = plan_step()
     kflat = pool.k_buffer(0).view(-1, c.kv_heads, c.head_dim)
     vflat = pool.v_buffer(0).view(-1, c.kv_heads, c.v_head_dim)
     loc_d = loc.to(s.device)
-    attn.forward(q, k, v, layer, md)  # what the kernel derives once per forward is derived now
+    attn.forward(q, k, v, layer, plan)  # what the kernel derives once per forward is derived now
 
     def through_hal() -> None:
-        attn.forward(q, k, v, layer, md)
+        attn.forward(q, k, v, layer, plan)
 
     def direct() -> None:
         pool._write_rows(kflat, loc_d, k)  # the backend's own row write, without validation and routing
         pool._write_rows(vflat, loc_d, v)
-        attn._attend(q, layer, md, None)  # the backend's own kernel, without forward's checks
+        attn._attend(q, layer, plan, None)  # the backend's own kernel, without forward's checks
 
-    return through_hal, direct, metadata
+    return through_hal, direct, plan_step
 
 
 def bench_dispatch(s: _Setup) -> list[Measurement]:
     """A decode forward through hal's objects vs the backend's own write and attention ops called
     directly.
 
-    Both sides get the step's tensors ready-made (an engine builds the metadata once per step
-    and shares it across layers); the metadata build is reported separately, per step. hal's
+    Both sides get the step's tensors ready-made (an engine builds the metadata and its plan once
+    per step and shares them across layers); that build is reported separately, per step. hal's
     cost is a per-call constant (validation, routing), a few percent of timing noise at real
     sizes, so it is also measured where it dominates (one request, one page) and related to the
     real forward: that row carries the target.
@@ -262,7 +265,7 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
     tiny = _dispatch_pair(s, 1, c.page_size)
     if real is None or tiny is None:
         return []
-    through_hal, direct, metadata = real
+    through_hal, direct, plan_step = real
     timing = dict(repeats=c.repeats, warmup=c.warmup, min_sample_s=c.min_sample_s)
     pt = time_pair(s.backend, through_hal, direct, **timing)  # type: ignore[arg-type]
     t_hal, t_direct = pt.a, pt.b
@@ -271,7 +274,7 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
                         min_sample_s=max(c.min_sample_s, 0.02), stat=min)
     per_call = tiny_pt.a - tiny_pt.b
     overhead = per_call / t_direct * 100
-    md_pt = time_pair(s.backend, metadata, through_hal, **timing)  # type: ignore[arg-type]
+    md_pt = time_pair(s.backend, plan_step, through_hal, **timing)  # type: ignore[arg-type]
     t_md, t_fwd = md_pt.a, md_pt.b
     shape = f"B={c.decode_batch}, kv={c.decode_kv_len}"
     return [
@@ -279,7 +282,7 @@ def bench_dispatch(s: _Setup) -> list[Measurement]:
                t_direct * 1e3, "ms", [(r - 1) * 100 for r in pt.ratios], "difference %"),
         Measurement(f"dispatch: hal's per-call cost (measured at B=1, one page) vs the direct forward ({shape})",
                     per_call * 1e3, t_direct * 1e3, "ms", overhead, "overhead %", "<= 2", overhead <= 2),
-        Measurement(f"build_metadata per step (B={c.decode_batch}) vs one layer's forward", t_md * 1e3, t_fwd * 1e3, "ms",
+        Measurement(f"build_metadata + plan per step (B={c.decode_batch}) vs one layer's forward", t_md * 1e3, t_fwd * 1e3, "ms",
                     md_pt.a_over_b * 100, "% of one layer"),
     ]
 

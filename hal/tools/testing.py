@@ -226,8 +226,8 @@ def run_attention_case(backend: Backend, case: AttentionCase, *, poison_unseen: 
     if poison_unseen:
         poison_unseen_rows(got.pool, lay.layer_id, got.slots)
     before_k, before_v = read_kv(got.pool, lay.layer_id)
-    out = got.kernel.forward(got.q, got.k, got.v, lay, got.metadata, sinks=got.sinks)
-    expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.metadata, sinks=ref.sinks)
+    out = got.kernel.forward(got.q, got.k, got.v, lay, got.kernel.plan(got.metadata), sinks=got.sinks)
+    expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.kernel.plan(ref.metadata), sinks=ref.sinks)
     atol, rtol = TOLERANCE[case.dtype]
     out_c = out.detach().to("cpu").float()
     exp_c = expect.float()

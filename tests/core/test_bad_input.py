@@ -88,12 +88,12 @@ class World:
 
     def forward_swa(self, **overrides: Any) -> torch.Tensor:
         args = {"q": self.q, "k": self.k, "v": self.v, "layer": SWA, "metadata": self.md, "sinks": self.sinks, **overrides}
-        return self.attn.forward(args["q"], args["k"], args["v"], args["layer"], args["metadata"], sinks=args["sinks"])
+        return self.attn.forward(args["q"], args["k"], args["v"], args["layer"], self.attn.plan(args["metadata"]), sinks=args["sinks"])
 
     def runner(self) -> GraphRunner:
         inputs = {"q": ((HQ, D), self.q.dtype), "k": ((2, D), self.k.dtype), "v": ((2, D), self.v.dtype)}
         runner = GraphRunner(
-            self.backend, lambda x, md: self.attn.forward(x["q"], x["k"], x["v"], SWA, md, sinks=self.sinks),
+            self.backend, lambda x, md: self.attn.forward(x["q"], x["k"], x["v"], SWA, self.attn.plan(md), sinks=self.sinks),
             attention=self.attn, mode=M.DECODE, tokens_per_request=1, batch_sizes=[2], max_pages_per_request=4, inputs=inputs,
             replay_captured=True,
         )  # fmt: skip
@@ -171,7 +171,7 @@ def test_one_cpu_kernel_from_two_threads_matches_sequential(backends: dict[str, 
         q = torch.randn(2, HQ, D, generator=gen)
         k, v = torch.randn(2, heads, D, generator=gen), torch.randn(2, heads, D, generator=gen)
         sinks = world.sinks if layer.has_sinks else None
-        return world.attn.forward(q, k, v, layer, world.md, save_kv_cache=False, sinks=sinks)
+        return world.attn.forward(q, k, v, layer, world.attn.plan(world.md), save_kv_cache=False, sinks=sinks)
 
     expected = {c: call(*c) for c in calls}
     got: dict[tuple[LayerSpec, int], torch.Tensor] = {}
@@ -202,7 +202,7 @@ def test_thread_stress_kernel_and_pool(backends: dict[str, Any], name: str) -> N
         dt, dev, heads = world.q.dtype, world.pool.device, layer.num_kv_heads
         q = torch.randn(2, HQ, D, generator=gen).to(dev, dt)
         k, v = (torch.randn(2, heads, D, generator=gen).to(dev, dt) for _ in range(2))
-        return world.attn.forward(q, k, v, layer, world.md, sinks=world.sinks if layer.has_sinks else None)
+        return world.attn.forward(q, k, v, layer, world.attn.plan(world.md), sinks=world.sinks if layer.has_sinks else None)
 
     sequential = World.build(backends[name])
     expected = {(layer.layer_id, r): run(sequential, layer, r) for r in range(rounds) for layer in (FULL, SWA)}
@@ -342,7 +342,7 @@ def test_npu_refuses_192_192_with_a_paged_cache(backends: dict[str, Any]) -> Non
     md = build_metadata(M.DECODE, kv_lens=[3], q_lens=[1], page_table=[[1]], out_cache_loc=[130], pool=pool)
     q, kv = torch.zeros(1, 4, 192, dtype=torch.bfloat16), torch.zeros(1, 1, 192, dtype=torch.bfloat16)
     with pytest.raises(UnsupportedConfigError, match="v head dim 192"):
-        npu.create_attention(pool).forward(q, kv, kv, layer, md)
+        (attn := npu.create_attention(pool)).forward(q, kv, kv, layer, attn.plan(md))
     k_cache = pool.k_buffer(0).view(-1, 128, 192)
     with pytest.raises(emulator.NpuOpError, match="does not support a v head dim of 192"):
         emulator.FIA_V2(q, k_cache, k_cache, block_table=md.block_table, actual_seq_qlen=[1], actual_seq_kvlen=[3],

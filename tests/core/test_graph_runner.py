@@ -56,8 +56,8 @@ def two_layer_forward(attention):
 
     def forward(inputs: Mapping[str, torch.Tensor], md: AttentionMetadata) -> Any:
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        first = attention.forward(q, k, v, LAYERS[0], md)
-        second = attention.forward(q * 0.5, k * 2.0, v - 1.0, LAYERS[1], md, sinks=SINKS)
+        first = attention.forward(q, k, v, LAYERS[0], attention.plan(md))
+        second = attention.forward(q * 0.5, k * 2.0, v - 1.0, LAYERS[1], attention.plan(md), sinks=SINKS)
         return first, {"second": second, "sum": first + second}
 
     return forward

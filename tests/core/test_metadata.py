@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from hal.errors import SpecError
 from hal.kv_pool import SplitKVPool
-from hal.metadata import AttentionMetadata, build_metadata, pad_metadata
+from hal.graph_runner import pad_metadata
+from hal.metadata import AttentionMetadata, build_metadata
 from hal.spec import ForwardMode, KVPoolSpec, SWAPoolSpec
 
 CHEAP = settings.get_profile("hal-cheap")

@@ -94,7 +94,7 @@ def test_window_off_by_one_hand_case(make_kernel) -> None:
     pool, pages, _ = one_layer_pool(kv_len, 1, kv_len, values)
     layer = LayerSpec(0, 1, 1, 2, kv_len, scaling=1.0, sliding_window=window)
     md = build_metadata(M.EXTEND, kv_lens=[kv_len], q_lens=[kv_len], page_table=[pages], out_cache_loc=list(range(kv_len)), pool=pool)
-    out = make_kernel(pool).forward(torch.zeros(kv_len, 1, 2), None, None, layer, md, save_kv_cache=False)
+    out = (kernel := make_kernel(pool)).forward(torch.zeros(kv_len, 1, 2), None, None, layer, kernel.plan(md), save_kv_cache=False)
     third, half = 1 / 3, 1 / 2
     expect = torch.tensor(
         [
@@ -115,8 +115,8 @@ def test_window_zero_sees_only_itself_and_none_sees_all(make_kernel) -> None:
     attn = make_kernel(pool)
     md = build_metadata(M.DECODE, kv_lens=[3], q_lens=[1], page_table=[pages], out_cache_loc=[2], pool=pool)
     q = torch.zeros(1, 1, 2)
-    own = attn.forward(q, None, None, LayerSpec(0, 1, 1, 2, 3, scaling=1.0, sliding_window=0), md, save_kv_cache=False)
-    full = attn.forward(q, None, None, LayerSpec(0, 1, 1, 2, 3, scaling=1.0), md, save_kv_cache=False)
+    own = attn.forward(q, None, None, LayerSpec(0, 1, 1, 2, 3, scaling=1.0, sliding_window=0), attn.plan(md), save_kv_cache=False)
+    full = attn.forward(q, None, None, LayerSpec(0, 1, 1, 2, 3, scaling=1.0), attn.plan(md), save_kv_cache=False)
     torch.testing.assert_close(own[0, 0], torch.tensor([0.0, 0.0, 1.0]))
     torch.testing.assert_close(full[0, 0], torch.tensor([1 / 3, 1 / 3, 1 / 3]))
 
@@ -130,7 +130,7 @@ def test_sinks_only_enlarge_the_denominator_hand_case(make_kernel) -> None:
     layer = LayerSpec(0, 3, 3, 2, 2, scaling=1.0, has_sinks=True)
     md = build_metadata(M.DECODE, kv_lens=[2], q_lens=[1], page_table=[pages], out_cache_loc=[1], pool=pool)
     sinks = torch.tensor([math.log(2.0), 0.0, -100.0])
-    out = make_kernel(pool).forward(torch.zeros(1, 3, 2), None, None, layer, md, save_kv_cache=False, sinks=sinks)
+    out = (kernel := make_kernel(pool)).forward(torch.zeros(1, 3, 2), None, None, layer, kernel.plan(md), save_kv_cache=False, sinks=sinks)
     torch.testing.assert_close(out[0], torch.tensor([[0.25, 0.25], [1 / 3, 1 / 3], [0.5, 0.5]]))
 
 
@@ -141,7 +141,7 @@ def test_gqa_query_head_uses_kv_head_h_div_group(make_kernel) -> None:
     pool, pages, _ = one_layer_pool(3, 2, 1, values)
     layer = LayerSpec(0, 4, 2, 2, 1, scaling=1.0)
     md = build_metadata(M.DECODE, kv_lens=[3], q_lens=[1], page_table=[pages], out_cache_loc=[2], pool=pool)
-    out = make_kernel(pool).forward(torch.zeros(1, 4, 2), None, None, layer, md, save_kv_cache=False)
+    out = (kernel := make_kernel(pool)).forward(torch.zeros(1, 4, 2), None, None, layer, kernel.plan(md), save_kv_cache=False)
     assert out[0, :, 0].tolist() == [1.0, 1.0, 2.0, 2.0]
 
 
@@ -153,7 +153,7 @@ def test_scaling_multiplies_the_scores_hand_case(make_kernel) -> None:
     md = build_metadata(M.DECODE, kv_lens=[2], q_lens=[1], page_table=[[1]], out_cache_loc=[5], pool=pool)
     q = torch.tensor([[[1.0, 0.0]]])
     for s in (0.5, 2.0):
-        out = make_kernel(pool).forward(q, None, None, LayerSpec(0, 1, 1, 2, 1, scaling=s), md, save_kv_cache=False)
+        out = (kernel := make_kernel(pool)).forward(q, None, None, LayerSpec(0, 1, 1, 2, 1, scaling=s), kernel.plan(md), save_kv_cache=False)
         assert float(out) == pytest.approx(math.exp(s) / (math.exp(s) + 1), rel=1e-6)
 
 
@@ -191,7 +191,7 @@ def test_empty_batch_returns_empty_output(make_kernel) -> None:
     pool = CpuBackend().create_kv_pool(KVPoolSpec(1, 8, 4, 1, 2, 3))
     md = build_metadata(M.DECODE, kv_lens=[], q_lens=[], page_table=[], out_cache_loc=[], pool=pool)
     empty = torch.zeros(0, 2, 2)
-    out = make_kernel(pool).forward(empty, torch.zeros(0, 1, 2), torch.zeros(0, 1, 3), LayerSpec(0, 2, 1, 2, 3, 1.0), md)
+    out = (kernel := make_kernel(pool)).forward(empty, torch.zeros(0, 1, 2), torch.zeros(0, 1, 3), LayerSpec(0, 2, 1, 2, 3, 1.0), kernel.plan(md))
     assert out.shape == (0, 2, 3)
 
 

@@ -156,45 +156,46 @@ class _UncheckedPool(CpuKVPool):
 
 
 class _WindowOffByOne(CpuAttention):
-    def forward(self, q, k, v, layer, metadata, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, layer, plan, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
         if layer.sliding_window is not None:
             import attrs
 
             layer = attrs.evolve(layer, sliding_window=layer.sliding_window + 1)
-        return super().forward(q, k, v, layer, metadata, save_kv_cache, sinks=sinks)
+        return super().forward(q, k, v, layer, plan, save_kv_cache, sinks=sinks)
 
 
 class _SinksIgnored(CpuAttention):
-    def forward(self, q, k, v, layer, metadata, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, layer, plan, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
         import attrs
 
-        return super().forward(q, k, v, attrs.evolve(layer, has_sinks=False), metadata, save_kv_cache)
+        return super().forward(q, k, v, attrs.evolve(layer, has_sinks=False), plan, save_kv_cache)
 
 
 class _PaddingLeaks(CpuAttention):
     """Sends writes for the padding slot 0 to the pool's last slot."""
 
-    def forward(self, q, k, v, layer, metadata, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, layer, plan, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
         import attrs
 
         last = (self.pool.spec.num_pages + 1) * self.pool.spec.page_size - 1
-        loc = torch.where(metadata.out_cache_loc == 0, last, metadata.out_cache_loc)
-        return super().forward(q, k, v, layer, attrs.evolve(metadata, out_cache_loc=loc), save_kv_cache, sinks=sinks)
+        md = plan.metadata
+        loc = torch.where(md.out_cache_loc == 0, last, md.out_cache_loc)
+        return super().forward(q, k, v, layer, self.plan(attrs.evolve(md, out_cache_loc=loc)), save_kv_cache, sinks=sinks)
 
 
 class _UntypedErrors(CpuAttention):
-    def forward(self, q, k, v, layer, metadata, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, layer, plan, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
         try:
-            return super().forward(q, k, v, layer, metadata, save_kv_cache, sinks=sinks)
+            return super().forward(q, k, v, layer, plan, save_kv_cache, sinks=sinks)
         except hal.HalError as exc:
             raise RuntimeError(str(exc)) from None
 
 
 class _NoBf16(CpuAttention):
-    def forward(self, q, k, v, layer, metadata, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, layer, plan, save_kv_cache=True, *, sinks=None):  # type: ignore[no-untyped-def]
         if q.dtype == torch.bfloat16:
             raise UnsupportedConfigError("this kernel has no bfloat16 path")
-        return super().forward(q, k, v, layer, metadata, save_kv_cache, sinks=sinks)
+        return super().forward(q, k, v, layer, plan, save_kv_cache, sinks=sinks)
 
 
 class _StaleMetadataGraph(EagerGraph):

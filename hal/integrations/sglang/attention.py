@@ -33,7 +33,8 @@ import hal
 from hal.errors import CacheLocationError, SpecError, UnsupportedConfigError
 from hal.graph import GraphUpdate
 from hal.graph_runner import refreshed_metadata
-from hal.metadata import AttentionMetadata, build_metadata
+from hal.metadata import AttentionMetadata, build_metadata, check_metadata_against
+from hal.plan import ForwardPlan
 from hal.protocols import AttentionKernel, KVPool
 from hal.spec import ForwardMode, LayerSpec, strict_ints
 from hal.integrations.sglang.kv_pool import mirror_swa_pages, serving_backend, store_in_hal_pool
@@ -241,6 +242,7 @@ class HalAttnBackend(AttentionBackend):
         self._captured: dict[tuple[ForwardMode, int], AttentionMetadata] = {}
         self._layer_specs: dict[tuple[int, bool], LayerSpec] = {}
         self.forward_metadata: AttentionMetadata | None = None
+        self._plan: ForwardPlan | None = None
 
     # -- metadata ----------------------------------------------------------------------------
     def _metadata(self, forward_batch: Any, max_pages: int | None = None) -> AttentionMetadata:
@@ -270,6 +272,8 @@ class HalAttnBackend(AttentionBackend):
         if in_capture or static is None:
             self._captured[key] = self.forward_metadata = fresh
             return
+        # A replay runs no plan step: the new batch is checked against the pool here, before any copy.
+        check_metadata_against(fresh, self.pool)
         # The device tensors stay the captured ones, now holding the new batch; the record's host
         # values are the new batch's (a shape that does not fit raises GraphError, copying nothing).
         self.forward_metadata, copies = refreshed_metadata(static, fresh)
@@ -287,10 +291,19 @@ class HalAttnBackend(AttentionBackend):
             spec = self._layer_specs[key] = layer_spec(layer, layer.layer_id - self.start_layer, has_sinks=has_sinks)
         return spec
 
-    def _forward(self, q: torch.Tensor, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any) -> torch.Tensor:
+    def _forward_plan(self) -> ForwardPlan:
+        """The kernel's plan for the forward running now: made at its first layer (inside the
+        capture when SGLang captures the forward), shared by its other layers."""
         metadata = self.forward_metadata
         if metadata is None:
             raise SpecError("attention backend 'hal': forward before init_forward_metadata")
+        if self._plan is None or not self._plan.serves(metadata, self.pool):
+            self._plan = self.kernel.plan(metadata)
+        return self._plan
+
+    def _forward(self, q: torch.Tensor, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any) -> torch.Tensor:
+        plan = self._forward_plan()
+        metadata = plan.metadata
         spec = self._layer_spec(layer, sinks is not None)
         if (k is None or v is None) and save_kv_cache:
             raise SpecError(f"attention backend 'hal': layer {layer.layer_id} asks to save KV but passes k={k!r}, v={v!r}")
@@ -303,7 +316,7 @@ class HalAttnBackend(AttentionBackend):
             k.reshape(rows, spec.num_kv_heads, spec.head_dim),
             v.reshape(rows, spec.num_kv_heads, spec.v_head_dim),
             spec,
-            metadata,
+            plan,
             save_kv_cache,
             sinks=sinks,
         )

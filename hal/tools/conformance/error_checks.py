@@ -49,7 +49,7 @@ def _check_attention_errors(backend: Backend, cfg: LoopConfig) -> None:
                              out_cache_loc=table.slots(0, range(n)), pool=pool)
     for lay in (full, swa):  # a valid forward first: proves the configuration is supported
         q, k, v = tensors(lay, n, f"prefill{lay.layer_id}")
-        attn.forward(q, k, v, lay, prefill, sinks=sinks if lay.has_sinks else None)
+        attn.forward(q, k, v, lay, attn.plan(prefill), sinks=sinks if lay.has_sinks else None)
     decode = build_metadata(ForwardMode.DECODE, kv_lens=[n + 1], q_lens=[1], page_table=table.table([0]),
                             out_cache_loc=table.slots(0, [n]), pool=pool)
     no_swa_table = build_metadata(ForwardMode.DECODE, kv_lens=[n + 1], q_lens=[1], page_table=table.table([0]),
@@ -67,25 +67,25 @@ def _check_attention_errors(backend: Backend, cfg: LoopConfig) -> None:
     wrong_dims = attrs.evolve(full, v_head_dim=cfg.v_head_dim + 8)
     cases: list[tuple[str, type[Exception], Callable[[], Any], tuple[str, ...]]] = [
         ("q with one head too many", SpecError,
-         lambda: attn.forward(torch.cat([q, q[:, :1]], 1), k, v, full, decode), (str((1, cfg.q_heads + 1, cfg.head_dim)),)),
+         lambda: attn.forward(torch.cat([q, q[:, :1]], 1), k, v, full, attn.plan(decode)), (str((1, cfg.q_heads + 1, cfg.head_dim)),)),
         ("v with head_dim instead of v_head_dim", SpecError,
-         lambda: attn.forward(q, k, k, full, decode), (str((1, cfg.full_kv_heads, cfg.head_dim)),)),
+         lambda: attn.forward(q, k, k, full, attn.plan(decode)), (str((1, cfg.full_kv_heads, cfg.head_dim)),)),
         ("two rows for one token", SpecError,
-         lambda: attn.forward(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), full, decode), ()),
+         lambda: attn.forward(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), full, attn.plan(decode)), ()),
         (f"q of dtype {other_dtype}", KVLayoutError,
-         lambda: attn.forward(q.to(other_dtype), k, v, full, decode), (str(other_dtype),)),
+         lambda: attn.forward(q.to(other_dtype), k, v, full, attn.plan(decode)), (str(other_dtype),)),
         ("a LayerSpec whose v_head_dim the pool does not store", KVLayoutError,
-         lambda: attn.forward(q, k, v, wrong_dims, decode), (str(cfg.v_head_dim + 8),)),
-        ("a sinks layer called without sinks", SpecError, lambda: attn.forward(sq, sk, sv, swa, decode), ()),
-        ("sinks on a layer without them", SpecError, lambda: attn.forward(q, k, v, full, decode, sinks=sinks), ()),
+         lambda: attn.forward(q, k, v, wrong_dims, attn.plan(decode)), (str(cfg.v_head_dim + 8),)),
+        ("a sinks layer called without sinks", SpecError, lambda: attn.forward(sq, sk, sv, swa, attn.plan(decode)), ()),
+        ("sinks on a layer without them", SpecError, lambda: attn.forward(q, k, v, full, attn.plan(decode), sinks=sinks), ()),
         ("sinks of the wrong shape", SpecError,
-         lambda: attn.forward(sq, sk, sv, swa, decode, sinks=sinks[:-1]), (str((cfg.q_heads - 1,)),)),
+         lambda: attn.forward(sq, sk, sv, swa, attn.plan(decode), sinks=sinks[:-1]), (str((cfg.q_heads - 1,)),)),
         ("an SWA-pool layer with metadata lacking swa_block_table", SpecError,
-         lambda: attn.forward(sq, sk, sv, swa, no_swa_table, sinks=sinks), ()),
+         lambda: attn.forward(sq, sk, sv, swa, attn.plan(no_swa_table), sinks=sinks), ()),
         (f"metadata with page_size {other_ps}", SpecError,
-         lambda: attn.forward(q, k, v, full, wrong_ps), (str(other_ps),)),
+         lambda: attn.forward(q, k, v, full, attn.plan(wrong_ps)), (str(other_ps),)),
         (f"out_cache_loc {limit + 1} outside the pool", CacheLocationError,
-         lambda: attn.forward(q, k, v, full, bad_loc), (str(limit + 1),)),
+         lambda: attn.forward(q, k, v, full, attn.plan(bad_loc)), (str(limit + 1),)),
     ]
     before = snapshot(pool)
     for what, expected, call, mentions in cases:

@@ -189,7 +189,7 @@ class _LoopWorld:
                     inputs[f"k{lay.layer_id}"],
                     inputs[f"v{lay.layer_id}"],
                     lay,
-                    md,
+                    self.attn.plan(md),
                     sinks=self.sinks.get(lay.layer_id),
                 )
                 for lay in layers
@@ -383,7 +383,7 @@ def _check_runner_contract(backend: Backend) -> None:
     attention = backend.create_attention(pool)
 
     def forward(inputs: Mapping[str, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        return attention.forward(inputs["q"], inputs["k"], inputs["v"], layer, metadata)
+        return attention.forward(inputs["q"], inputs["k"], inputs["v"], layer, attention.plan(metadata))
 
     runner = GraphRunner(
         backend, forward, attention=attention, mode=ForwardMode.DECODE, tokens_per_request=1, batch_sizes=[1, 2],

@@ -95,7 +95,8 @@ def run_cpu_kernel(
     sinks = torch.randn(layer.num_q_heads, generator=gen) * 2 if layer.has_sinks else None
     md = build_metadata(mode, kv_lens=kv_lens, q_lens=q_lens, page_table=rows, out_cache_loc=new_loc, pool=pool)
     before = [t.clone() for pair in pool.sub_pool_buffers().values() for t in pair]
-    out = backend.create_attention(pool).forward(q, k_new, v_new, layer, md, save_kv_cache=save_kv_cache, sinks=sinks)
+    attn = backend.create_attention(pool)
+    out = attn.forward(q, k_new, v_new, layer, attn.plan(md), save_kv_cache=save_kv_cache, sinks=sinks)
     if save_kv_cache:  # the new rows were stored where out_cache_loc says, on the layer's sub-pool
         kb = pool.k_buffer(layer.layer_id)
         mapping = pool.full_to_swa_page

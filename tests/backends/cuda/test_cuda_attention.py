@@ -101,8 +101,8 @@ def test_save_kv_cache_false_reads_the_cache_and_writes_nothing(cuda: hal.Backen
         p.pool.set_kv(0, p.metadata.out_cache_loc, p.k, p.v)
     before = got.pool.k_buffer(0).clone(), got.pool.v_buffer(0).clone()
     garbage_k, garbage_v = torch.full_like(got.k, 9.0), torch.full_like(got.v, 9.0)
-    out = got.kernel.forward(got.q, garbage_k, garbage_v, lay, got.metadata, save_kv_cache=False, sinks=got.sinks)
-    expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.metadata, save_kv_cache=False, sinks=ref.sinks)
+    out = got.kernel.forward(got.q, garbage_k, garbage_v, lay, got.kernel.plan(got.metadata), save_kv_cache=False, sinks=got.sinks)
+    expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.kernel.plan(ref.metadata), save_kv_cache=False, sinks=ref.sinks)
     assert torch.equal(got.pool.k_buffer(0), before[0]) and torch.equal(got.pool.v_buffer(0), before[1])
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
 
@@ -113,11 +113,11 @@ def test_bad_calls_raise_typed_errors_and_leave_the_pool_unchanged(cuda: hal.Bac
     lay, md = case.layer, got.metadata
     before = got.pool.k_buffer(0).clone()
     with pytest.raises(SpecError, match=r"v has shape \(2, 2, 32\), expected \(2, 2, 16\)"):
-        got.kernel.forward(got.q, got.k, got.k, lay, md, sinks=got.sinks)
+        got.kernel.forward(got.q, got.k, got.k, lay, got.kernel.plan(md), sinks=got.sinks)
     with pytest.raises(SpecError, match="has_sinks=True but sinks were not given"):
-        got.kernel.forward(got.q, got.k, got.v, lay, md)
+        got.kernel.forward(got.q, got.k, got.v, lay, got.kernel.plan(md))
     with pytest.raises(KVLayoutError, match="q has dtype torch.float16"):
-        got.kernel.forward(got.q.half(), got.k, got.v, lay, md, sinks=got.sinks)
+        got.kernel.forward(got.q.half(), got.k, got.v, lay, got.kernel.plan(md), sinks=got.sinks)
     assert torch.equal(got.pool.k_buffer(0), before)
 
 
@@ -127,7 +127,7 @@ def test_head_dim_above_the_kernel_limit_is_refused_before_writing(cuda: hal.Bac
     md = build_metadata(ForwardMode.DECODE, kv_lens=[3], q_lens=[1], page_table=[[1]], out_cache_loc=[18], pool=pool)
     q, k, v = torch.ones(1, 2, 320), torch.ones(1, 1, 320), torch.ones(1, 1, 64)
     with pytest.raises(UnsupportedConfigError, match="head_dim=320"):
-        cuda.create_attention(pool).forward(q, k, v, lay, md)
+        (attn := cuda.create_attention(pool)).forward(q, k, v, lay, attn.plan(md))
     assert not pool.k_buffer(0).any()
 
 
@@ -159,7 +159,7 @@ def test_graph_runner_replays_match_eager_reference(cuda: hal.Backend, mode: For
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(3))
 
     def forward(inputs, md):
-        return attn.forward(inputs["q"], inputs["k"], inputs["v"], lay, md, sinks=sinks)
+        return attn.forward(inputs["q"], inputs["k"], inputs["v"], lay, attn.plan(md), sinks=sinks)
 
     runner = hal.GraphRunner(
         cuda,
@@ -183,7 +183,7 @@ def test_graph_runner_replays_match_eager_reference(cuda: hal.Backend, mode: For
             loc = torch.cat([tab.slots(r, range(lens[r], lens[r] + tokens)) for r in requests])
             mds.append(build_metadata(mode, kv_lens=kv, q_lens=[tokens] * len(requests), page_table=tab.table(requests), out_cache_loc=loc, pool=p))
         out = runner.run(inputs, mds[0]).clone()
-        expect = ref_attn.forward(inputs["q"], inputs["k"], inputs["v"], lay, mds[1], sinks=sinks)
+        expect = ref_attn.forward(inputs["q"], inputs["k"], inputs["v"], lay, ref_attn.plan(mds[1]), sinks=sinks)
         torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5, msg=lambda m: f"step {step}: {m}")
         for r in requests:
             lens[r] += tokens

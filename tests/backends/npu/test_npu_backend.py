@@ -157,7 +157,7 @@ def test_unsupported_configs_raise_before_touching_the_cache(npu: NpuBackend, ca
     got, _ = prepare_case(npu, case)
     k_before, v_before = got.pool.k_buffer(0).clone(), got.pool.v_buffer(0).clone()
     with pytest.raises(UnsupportedConfigError, match=reason):
-        got.kernel.forward(got.q, got.k, got.v, case.layer, got.metadata, sinks=got.sinks)
+        got.kernel.forward(got.q, got.k, got.v, case.layer, got.kernel.plan(got.metadata), sinks=got.sinks)
     assert torch.equal(got.pool.k_buffer(0), k_before) and torch.equal(got.pool.v_buffer(0), v_before)
     with pytest.raises(UnsupportedConfigError):
         run_attention_case(npu, case)
@@ -167,7 +167,7 @@ def test_bad_query_shape_is_a_spec_error(npu: NpuBackend) -> None:
     case = AttentionCase(ForwardMode.DECODE, LayerSpec(0, 4, 1, 128, 128, 0.1), (20,), (1,), 16, BF16)
     got, _ = prepare_case(npu, case)
     with pytest.raises(SpecError, match="q has shape"):
-        got.kernel.forward(got.q[:, :2], got.k, got.v, case.layer, got.metadata)
+        got.kernel.forward(got.q[:, :2], got.k, got.v, case.layer, got.kernel.plan(got.metadata))
 
 
 def test_fia_call_uses_the_documented_arguments(npu: NpuBackend, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -273,8 +273,8 @@ class TwoLayerForward:
 
     def __call__(self, x: dict[str, torch.Tensor], md: hal.AttentionMetadata, attn: Any = None) -> torch.Tensor:
         attn = self.attn if attn is None else attn
-        a = attn.forward(x["q0"], x["k0"], x["v0"], self.full, md)
-        b = attn.forward(x["q1"], x["k1"], x["v1"], self.swa, md, sinks=self.sinks)
+        a = attn.forward(x["q0"], x["k0"], x["v0"], self.full, attn.plan(md))
+        b = attn.forward(x["q1"], x["k1"], x["v1"], self.swa, attn.plan(md), sinks=self.sinks)
         return torch.cat([a, b], dim=-1)
 
     def batch(self, mode: ForwardMode, kv_lens: dict[int, int]) -> tuple[dict[str, torch.Tensor], hal.AttentionMetadata]:

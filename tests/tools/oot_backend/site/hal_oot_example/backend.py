@@ -17,6 +17,7 @@ from hal.sdk import (
     AttentionMetadata,
     Availability,
     BackendBase,
+    ForwardPlan,
     GraphBase,
     KVPoolSpec,
     LayerSpec,
@@ -67,8 +68,9 @@ class HostLenAttention(AttentionKernelBase):
         return {"kv_lens": list(metadata.kv_lens_cpu), "cu_q_lens": [0, *metadata.cu_q_lens_cpu]}
 
     def _attend(
-        self, q: torch.Tensor, layer: LayerSpec, metadata: AttentionMetadata, sinks: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
+        metadata = plan.metadata
         params = self.updatable_params(metadata, layer)
         self.record_updatable_call(layer)
         baked: list[Mapping[str, Any]] | None = getattr(_replay, "baked", None)

@@ -1,0 +1,58 @@
+"""The plan step: what one forward derives from its metadata, built once by the caller.
+
+``AttentionKernel.plan(metadata)`` checks the metadata against the kernel's pool and returns a
+``ForwardPlan``; the caller hands that plan to every layer's ``forward`` and drops it after the
+forward. The metadata stays a plain record; what kernels and pools derive from it for a kind of
+layer (index plans, translated slots) lives in the plan, derived the first time a layer of that
+kind asks. A captured forward builds its plan inside the capture, so the capture records the ops
+that derive it and each replay re-derives from the refreshed metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+from hal.errors import GraphError, SpecError
+from hal.graph import capture_id
+from hal.metadata import AddressedPool, AttentionMetadata, check_metadata_against
+
+T = TypeVar("T")
+
+
+class ForwardPlan:
+    """One forward's metadata, checked against one pool, and what its layers derive from it."""
+
+    __slots__ = ("metadata", "pool", "_capture", "_per_kind")
+
+    def __init__(self, metadata: AttentionMetadata, pool: AddressedPool) -> None:
+        if not isinstance(metadata, AttentionMetadata):
+            raise SpecError(f"ForwardPlan: metadata must be a hal.AttentionMetadata, got {type(metadata).__name__}")
+        check_metadata_against(metadata, pool)
+        self.metadata = metadata
+        self.pool = pool
+        self._capture = capture_id()
+        self._per_kind: dict[Hashable, Any] = {}
+
+    def per_layer_kind(self, kind: Hashable, derive: Callable[[], T]) -> T:
+        """``derive()`` the first time a layer of ``kind`` asks in this forward; later layers of that
+        kind get the same value (layers of one kind share index plans and slots)."""
+        if kind not in self._per_kind:
+            self._per_kind[kind] = derive()
+        return self._per_kind[kind]  # type: ignore[no-any-return]
+
+    def serves(self, metadata: AttentionMetadata, pool: AddressedPool) -> bool:
+        """Whether this is the plan for ``metadata`` on ``pool`` now: made from that record for that
+        pool, in the graph capture running now (or outside any, as now)."""
+        return metadata is self.metadata and pool is self.pool and self._capture == capture_id()
+
+    def check_usable(self, pool: AddressedPool, where: str) -> None:
+        """Raise unless this plan was made for ``pool`` in the capture running now (or outside any):
+        a plan derived before a capture would be kept by the graph as constants, stale on replay."""
+        if pool is not self.pool:
+            raise SpecError(f"{where}: the plan was made for another KV pool; plan with this kernel (kernel.plan(metadata))")
+        if self._capture != capture_id():
+            raise GraphError(
+                f"{where}: the plan was made outside the graph capture running now; build the plan inside the "
+                "captured forward, so the capture records what it derives"
+            )

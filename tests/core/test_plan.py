@@ -1,0 +1,139 @@
+"""The plan step: ``kernel.plan(metadata)`` once per forward, the plan handed to every layer.
+
+The metadata stays a record (no state a forward leaves behind); the plan is checked against the
+pool it was made for and the capture it was made in, before anything is written."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+import hal
+from hal.backends.cpu import CpuBackend
+from hal.errors import CacheLocationError, GraphError, SpecError
+from hal.metadata import AttentionMetadata, build_metadata
+from hal.plan import ForwardPlan
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+
+LAYER = LayerSpec(0, 2, 1, 4, 4, 0.5)
+SWA_LAYERS = [LayerSpec(i, 2, 1, 4, 4, 0.5, sliding_window=3) for i in (1, 2)]
+
+
+def _hybrid_pool(backend: hal.Backend) -> hal.KVPool:
+    spec = KVPoolSpec(3, 64, 4, 1, 4, 4, swa=SWAPoolSpec(layer_ids=(1, 2), size=32, kv_heads=1, head_dim=4, v_head_dim=4))
+    pool = backend.create_kv_pool(spec)
+    pool.map_swa_pages(torch.tensor([1, 2]), torch.tensor([1, 2]))
+    return pool
+
+
+def _decode(pool: hal.KVPool) -> AttentionMetadata:
+    return build_metadata(ForwardMode.DECODE, kv_lens=[6], q_lens=[1], page_table=[[1, 2]], out_cache_loc=[9], pool=pool)
+
+
+def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(1, 2, 4, generator=g), torch.randn(1, 1, 4, generator=g), torch.randn(1, 1, 4, generator=g)
+
+
+def _snapshot(pool: hal.KVPool) -> list[torch.Tensor]:
+    return [pool.k_buffer(i).clone() for i in range(3)] + [pool.v_buffer(i).clone() for i in range(3)]
+
+
+def _unchanged(pool: hal.KVPool, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_snapshot(pool), before))
+
+
+def test_metadata_is_a_record_a_forward_leaves_as_it_was() -> None:
+    assert all(field.init for field in attrs.fields(AttentionMetadata)), "no hidden per-forward state"
+    backend = CpuBackend()
+    pool = _hybrid_pool(backend)
+    attn = backend.create_attention(pool)
+    md = _decode(pool)
+    before = attrs.asdict(md, recurse=False)
+    plan = attn.plan(md)
+    q, k, v = _qkv()
+    for layer in (LAYER, *SWA_LAYERS):
+        attn.forward(q, k, v, layer, plan)
+    after = attrs.asdict(md, recurse=False)
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        assert after[name] is value, name
+
+
+def test_layers_of_one_kind_share_what_the_plan_derives() -> None:
+    backend = CpuBackend()
+    pool = _hybrid_pool(backend)
+    plan = backend.create_attention(pool).plan(_decode(pool))
+    calls: list[str] = []
+
+    def derive(kind: str) -> object:
+        calls.append(kind)
+        return object()
+
+    first = plan.per_layer_kind("swa", lambda: derive("swa"))
+    assert plan.per_layer_kind("swa", lambda: derive("swa")) is first
+    assert plan.per_layer_kind("full", lambda: derive("full")) is not first
+    assert calls == ["swa", "full"]
+    # A new plan of the same record derives again: nothing is kept on the record between forwards.
+    again = backend.create_attention(pool).plan(plan.metadata)
+    assert again.per_layer_kind("swa", lambda: derive("swa")) is not first
+
+
+def test_forward_takes_a_plan_not_the_metadata() -> None:
+    backend = CpuBackend()
+    pool = _hybrid_pool(backend)
+    attn = backend.create_attention(pool)
+    before = _snapshot(pool)
+    with pytest.raises(SpecError, match=r"kernel\.plan\(metadata\).*got AttentionMetadata"):
+        attn.forward(*_qkv(), LAYER, _decode(pool))  # type: ignore[arg-type]
+    assert _unchanged(pool, before)
+
+
+def test_a_plan_for_another_pool_is_refused_before_writing() -> None:
+    backend = CpuBackend()
+    pool, other = _hybrid_pool(backend), _hybrid_pool(backend)
+    plan = backend.create_attention(other).plan(_decode(other))
+    before = _snapshot(pool)
+    with pytest.raises(SpecError, match="another KV pool"):
+        backend.create_attention(pool).forward(*_qkv(), LAYER, plan)
+    with pytest.raises(SpecError, match="another KV pool"):
+        pool.set_kv_for_forward(0, plan, *_qkv()[1:])
+    assert _unchanged(pool, before)
+
+
+def test_the_plan_step_checks_slots_against_the_pool() -> None:
+    backend = CpuBackend()
+    pool = _hybrid_pool(backend)
+    outside = build_metadata(ForwardMode.DECODE, kv_lens=[6], q_lens=[1], page_table=[[1, 2]], out_cache_loc=[64 * 4],
+                             page_size=4)
+    with pytest.raises(CacheLocationError, match=str(64 * 4)):
+        backend.create_attention(pool).plan(outside)
+    # A slot in a full page with no SWA page behind it: refused for the hybrid pool.
+    unmapped = build_metadata(ForwardMode.DECODE, kv_lens=[1], q_lens=[1], page_table=[[5]], out_cache_loc=[20], pool=pool)
+    with pytest.raises(CacheLocationError, match="no SWA page mapped"):
+        backend.create_attention(pool).plan(unmapped)
+
+
+def test_a_plan_made_before_a_capture_is_refused_inside_it() -> None:
+    """The capture would keep what the plan derived as constants: stale on every replay."""
+    backend = CpuBackend()
+    pool = _hybrid_pool(backend)
+    attn = backend.create_attention(pool)
+    md = _decode(pool)
+    stale = attn.plan(md)
+    before = _snapshot(pool)
+    with pytest.raises(GraphError, match="outside the graph capture"):
+        backend.create_graph().capture(lambda: attn.forward(*_qkv(), SWA_LAYERS[0], stale))
+    assert _unchanged(pool, before)
+    # Planned inside the capture, the same forward captures and replays.
+    graph = backend.create_graph()
+    out = graph.capture(lambda: attn.forward(*_qkv(), SWA_LAYERS[0], attn.plan(md)))
+    graph.replay()
+    assert torch.allclose(out, attn.forward(*_qkv(), SWA_LAYERS[0], attn.plan(md)))
+
+
+def test_plan_is_exported_where_backend_authors_and_engines_look() -> None:
+    from hal import sdk
+
+    assert hal.ForwardPlan is ForwardPlan is sdk.ForwardPlan
