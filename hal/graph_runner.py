@@ -86,27 +86,15 @@ class CapturedForward:
         self.current, metadata_copies = refreshed_metadata(self.metadata, new)
         return graph_update(self.graph, self.current, copies + metadata_copies)
 
-    def replay(self, new: AttentionMetadata, copies: BufferCopies = ()) -> Any:
-        """Replay on ``new``; the static outputs."""
-        self.graph.replay(self.refresh(new, copies))
-        return self.outputs
-
-    def replay_refreshed(self, record: AttentionMetadata | None) -> Any:
-        """Replay on a record the caller already refreshed (``refreshed_metadata`` with its copies
-        applied: an engine whose own hook refreshes metadata before the replay); the static outputs.
-        A record over other tensors than the captured ones is a ``GraphError``."""
-        if record is None or self.metadata is None:
-            if self.graph.captured_calls:
-                raise GraphError("replay_refreshed: the graph captured hal kernel calls, and no metadata was prepared "
-                                 "for this replay; the captured calls need its host arguments")
-            self.graph.replay(None)
+    def replay(self, new: AttentionMetadata | None, copies: BufferCopies = ()) -> Any:
+        """Replay on ``new`` (None: a forward captured without metadata); the static outputs."""
+        if new is None:
+            if self.metadata is not None or self.graph.captured_calls:
+                raise GraphError("CapturedForward.replay: the forward was captured reading hal metadata, and no "
+                                 "metadata was given for this replay")
+            self.graph.replay(GraphUpdate(buffer_copies=copies) if copies else None)
             return self.outputs
-        captured, given = self.metadata.tensors(), record.tensors()
-        stale = [name for name, tensor in captured.items() if given.get(name) is not tensor]
-        if stale:
-            raise GraphError(f"replay_refreshed: the record's {stale} are not the captured tensors; refresh it first")
-        self.current = record
-        self.graph.replay(graph_update(self.graph, record))
+        self.graph.replay(self.refresh(new, copies))
         return self.outputs
 
 

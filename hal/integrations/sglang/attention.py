@@ -37,7 +37,7 @@ from hal.metadata import AttentionMetadata, build_metadata, check_metadata_again
 from hal.plan import ForwardPlan
 from hal.protocols import AttentionKernel, KVPool
 from hal.spec import ForwardMode, LayerSpec, strict_ints
-from hal.integrations.sglang.kv_pool import mirror_swa_pages, serving_backend, store_in_hal_pool
+from hal.integrations.sglang.kv_pool import mirror_swa_pages, store_in_hal_pool
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangMode
@@ -222,12 +222,14 @@ class HalAttnBackend(AttentionBackend):
     the in-tree pool given hal's storage when this backend starts), so no KV is copied.
     """
 
-    def __init__(self, model_runner: Any, backend: hal.Backend | None = None) -> None:
-        """``backend``: the hal backend whose pool and kernel serve this runner (default:
-        ``serving_backend``, the platform's when ``SGLANG_PLATFORM=hal``)."""
+    def __init__(self, model_runner: Any, backend: hal.Backend) -> None:
+        """``backend``: the hal backend whose pool and kernel serve this runner, resolved at the
+        edge (``plugin.create_attention_backend``: the platform's, else hal's for the runner's device)."""
         super().__init__()
+        if not isinstance(backend, hal.Backend):
+            raise UnsupportedConfigError(f"attention backend 'hal': backend must be a hal.Backend (hal.get_backend(...)), got {backend!r}")
         self.device = torch.device(model_runner.device)
-        self.hal_backend = backend or serving_backend(model_runner.device)
+        self.hal_backend = backend
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.sgl_pool = model_runner.token_to_kv_pool
         self.pool: KVPool = store_in_hal_pool(self.sgl_pool, self.hal_backend)
@@ -241,6 +243,9 @@ class HalAttnBackend(AttentionBackend):
         # The metadata each captured graph reads, at fixed addresses, by (mode, batch size).
         self._captured: dict[tuple[ForwardMode, int], AttentionMetadata] = {}
         self._layer_specs: dict[tuple[int, bool], LayerSpec] = {}
+        # True when hal's graph backend replays this runner's graphs: it refreshes the captured
+        # metadata itself (``CapturedForward``); SGLang's own graph runners need it done here.
+        self.replayed_by_hal_graphs = False
         self.forward_metadata: AttentionMetadata | None = None
         self._plan: ForwardPlan | None = None
 
@@ -263,17 +268,20 @@ class HalAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """Before a capture: the metadata the graph will read. Before a replay: the new batch's
-        values copied into that metadata's tensors (same shapes, same addresses)."""
+        metadata, which hal's graph backend takes into the captured tensors (``CapturedForward``);
+        under SGLang's own graph runners its values are copied into them here."""
         if forward_batch.forward_mode.is_idle():
             return
         fresh = self._metadata(forward_batch, max_pages=self._graph_max_pages)
+        check_metadata_against(fresh, self.pool)  # a replay runs no plan step: checked here, before any copy
+        if self.replayed_by_hal_graphs:
+            self.forward_metadata = fresh  # what hal's graph backend captures, or replays on
+            return
         key = (fresh.mode, fresh.batch_size)
         static = self._captured.get(key)
         if in_capture or static is None:
             self._captured[key] = self.forward_metadata = fresh
             return
-        # A replay runs no plan step: the new batch is checked against the pool here, before any copy.
-        check_metadata_against(fresh, self.pool)
         # The device tensors stay the captured ones, now holding the new batch; the record's host
         # values are the new batch's (a shape that does not fit raises GraphError, copying nothing).
         self.forward_metadata, copies = refreshed_metadata(static, fresh)

@@ -29,17 +29,6 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 _HAL_POOL_ATTR = "_hal_kv_pool"
 
 
-def serving_backend(device: str | torch.device) -> hal.Backend:
-    """The hal backend serving SGLang in this process: the one ``SGLANG_PLATFORM=hal`` resolved at
-    start-up (``HalPlatform.hal_backend``), else hal's backend for SGLang's device string."""
-    from sglang.srt.platforms import current_platform
-
-    backend = getattr(current_platform, "hal_backend", None)
-    if isinstance(backend, hal.Backend):
-        return backend
-    return hal.get_backend(str(device))  # hal parses the string: torch may not know "npu" yet
-
-
 def _mha_geometry(sgl_pool: Any, where: str) -> tuple[int, int, int]:
     """``(kv_heads, head_dim, v_head_dim)`` of an SGLang MHA pool hal can store; raises for the rest."""
     name = type(sgl_pool).__name__
@@ -128,9 +117,9 @@ def _view_layers(sgl_pool: Any, pool: KVPool, layer_ids: tuple[int, ...]) -> Non
     sgl_pool._init_data_ptrs_and_strides()
 
 
-def store_in_hal_pool(sgl_pool: Any, backend: hal.Backend | None = None) -> KVPool:
+def store_in_hal_pool(sgl_pool: Any, backend: hal.Backend) -> KVPool:
     """Give ``sgl_pool`` hal's split K/V pool as its storage and return that pool (made by
-    ``backend``, default: ``serving_backend`` for the pool's device).
+    ``backend``, the one the edge resolved: the platform's, or the attention backend's).
 
     SGLang's own buffers are released before hal's are allocated, so the two never coexist. An
     ``SWAKVPool``'s two sub-pools become views of one hybrid hal pool's full and SWA parts.
@@ -139,6 +128,8 @@ def store_in_hal_pool(sgl_pool: Any, backend: hal.Backend | None = None) -> KVPo
     existing = getattr(sgl_pool, _HAL_POOL_ATTR, None)
     if existing is not None:
         return existing  # type: ignore[no-any-return]
+    if not isinstance(backend, hal.Backend):
+        raise UnsupportedConfigError(f"store_in_hal_pool: backend must be a hal.Backend (hal.get_backend(...)), got {backend!r}")
     spec = hal_pool_spec(sgl_pool)
     hybrid = spec.swa is not None
     sub_pools = (sgl_pool.full_kv_pool, sgl_pool.swa_kv_pool) if hybrid else (sgl_pool,)
@@ -146,7 +137,7 @@ def store_in_hal_pool(sgl_pool: Any, backend: hal.Backend | None = None) -> KVPo
         sub.k_buffer = sub.v_buffer = None
         if hasattr(sub, _HAL_POOL_ATTR):  # a HalMHATokenToKVPool built as a sub-pool: its own hal pool goes
             delattr(sub, _HAL_POOL_ATTR)
-    pool = (backend or serving_backend(sgl_pool.device)).create_kv_pool(spec)
+    pool = backend.create_kv_pool(spec)
     if hybrid:
         assert spec.swa is not None
         if spec.full_layer_ids:
@@ -210,8 +201,12 @@ class HalMHATokenToKVPool(MHATokenToKVPool):
     """``MHATokenToKVPool`` whose K/V buffers are views of hal's split K/V pool for the device.
 
     Constructed by SGLang with the in-tree class's keyword arguments (``v_head_dim`` included);
-    only the storage differs. ``hal_pool`` is the pool hal's attention kernels read.
+    only the storage differs. ``hal_pool`` is the pool hal's attention kernels read. SGLang gets
+    the class from hal's platform bound to its backend (``hal_backend``); unbound it refuses.
     """
+
+    #: The hal backend whose pool stores the KV; hal's platform binds it (``plugin.bound_to``).
+    hal_backend: hal.Backend | None = None
 
     def _create_buffers(self) -> None:
         # The attributes the in-tree unquantized path sets besides the buffers.
@@ -222,8 +217,16 @@ class HalMHATokenToKVPool(MHATokenToKVPool):
             empty: list[torch.Tensor] = []
             self.k_buffer, self.v_buffer = empty, list(empty)
             return
-        store_in_hal_pool(self)
+        store_in_hal_pool(self, self._backend())
+
+    def _backend(self) -> hal.Backend:
+        if self.hal_backend is None:
+            raise UnsupportedConfigError(
+                f"{type(self).__name__} has no hal backend: SGLang gets it from hal's platform (SGLANG_PLATFORM=hal), "
+                "which binds the backend it resolved (``plugin.bound_to``)"
+            )
+        return self.hal_backend
 
     @property
     def hal_pool(self) -> KVPool:
-        return store_in_hal_pool(self)
+        return store_in_hal_pool(self, self._backend())

@@ -17,7 +17,7 @@ from typing import Any
 
 import hal
 from hal.errors import UnsupportedConfigError
-from hal.integrations.sglang.plugin import NAME
+from hal.integrations.sglang.plugin import NAME, bound_to
 from sglang.srt.platforms.interface import PlatformCapabilities
 
 # SGLang resolves its platform while ``sglang.srt.platforms`` is still importing: this module
@@ -47,7 +47,10 @@ def in_tree_platform_class(device_type: str) -> type:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
-# The one hal backend this process serves with, resolved here at the edge and handed inward.
+
+# The one hal backend this process serves with, resolved once, when SGLang activates this platform
+# (the in-tree base class depends on its device), and handed inward: the classes SGLang builds from
+# the hooks below are bound to it (``bound_to``); nothing below looks it up again.
 _HAL_BACKEND = hal.get_backend(os.environ.get("HAL_SGLANG_DEVICE", "auto"), emulate=os.environ.get("HAL_SGLANG_EMULATE") == "1")
 # SGLang runs on the device the backend's tensors live on: an emulated backend's are on the host.
 _IN_TREE: Any = in_tree_platform_class(_HAL_BACKEND.device.type)
@@ -56,7 +59,7 @@ _IN_TREE: Any = in_tree_platform_class(_HAL_BACKEND.device.type)
 class HalPlatform(_IN_TREE):  # type: ignore[misc]
     """SGLang's platform for the device, with hal's parts where the platform interface has hooks."""
 
-    #: The hal backend whose pools, kernels and graphs serve SGLang (``kv_pool.serving_backend``).
+    #: The hal backend whose pools, kernels and graphs serve SGLang.
     hal_backend = _HAL_BACKEND
 
     capabilities = PlatformCapabilities(
@@ -88,13 +91,13 @@ class HalPlatform(_IN_TREE):  # type: ignore[misc]
         if kind == "mha":
             from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool
 
-            return HalMHATokenToKVPool
+            return bound_to(HalMHATokenToKVPool, self.hal_backend)
         return super().get_kv_pool_cls(kind=kind)  # type: ignore[no-any-return]
 
     def get_full_graph_backend_cls(self) -> type:
         from hal.integrations.sglang.graph import HalGraphBackend
 
-        return HalGraphBackend
+        return bound_to(HalGraphBackend, self.hal_backend)
 
     def get_speculative_graph_runner_cls(self, algorithm: str, phase: str) -> type | None:
         # The multi-layer EAGLE worker asks with this phase once patches/ is applied; SGLang names

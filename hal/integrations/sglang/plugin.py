@@ -37,7 +37,20 @@ def create_attention_backend(model_runner: Any) -> Any:
             f"attention backend {NAME!r} serves speculative decoding ({algorithm.name}) through hal's platform: "
             f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
         )
-    return HalAttnBackend(model_runner)
+    return HalAttnBackend(model_runner, edge_backend(model_runner.device))
+
+
+def edge_backend(device: Any) -> Any:
+    """The ``hal.Backend`` SGLang's runners are served with, resolved here once per runner and
+    handed inward: hal's platform's (resolved when SGLang activated it) under ``SGLANG_PLATFORM=hal``,
+    else hal's backend for the runner's device string (hal parses it: torch may not know "npu")."""
+    if os.environ.get("SGLANG_PLATFORM") == NAME:
+        from hal.integrations.sglang.platform import HalPlatform
+
+        return HalPlatform.hal_backend
+    import hal
+
+    return hal.get_backend(str(device))
 
 
 def activate_platform() -> str | None:
@@ -49,3 +62,16 @@ def activate_platform() -> str | None:
     if os.environ.get("SGLANG_PLATFORM") != NAME:
         return None
     return "hal.integrations.sglang.platform.HalPlatform"
+
+
+_bound: dict[tuple[type, int], type] = {}
+
+
+def bound_to(cls: type, backend: Any) -> type:
+    """``cls`` with ``hal_backend = backend``: what a hook returns where SGLang constructs the class
+    itself with its own arguments (a KV pool, a graph backend), so the backend reaches it."""
+    key = (cls, id(backend))
+    if key not in _bound:
+        _bound[key] = type(cls.__name__, (cls,), {"hal_backend": backend, "__module__": cls.__module__,
+                                                  "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _bound[key]

@@ -15,15 +15,20 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 
+import hal  # noqa: E402
 from hal import ForwardMode as HalMode  # noqa: E402
 from hal.errors import CacheLocationError, GraphError, SpecError, UnsupportedConfigError  # noqa: E402
+from hal.integrations.sglang.plugin import bound_to  # noqa: E402
 from hal.integrations.sglang.attention import HalAttnBackend, page_table_from_req_to_token  # noqa: E402
-from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool  # noqa: E402
+from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool as UnboundHalPool  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 
 from forward_batches import make_batch  # noqa: E402
+
+# What hal's platform hands SGLang: the pool class bound to the backend it resolved.
+HalMHATokenToKVPool = bound_to(UnboundHalPool, hal.get_backend("cpu"))
 
 Q_HEADS, KV_HEADS, HEAD_DIM, V_HEAD_DIM = 4, 2, 16, 8
 PAGE = 4
@@ -55,7 +60,8 @@ class World:
             token_to_kv_pool=self.pool,
             model_config=types.SimpleNamespace(context_len=MAX_CONTEXT),
         )
-        self.backend = HalAttnBackend(runner)
+        self.runner = runner
+        self.backend = HalAttnBackend(runner, hal.get_backend("cpu"))
 
     def write_prefix(self, layer: RadixAttention, reqs: list[int], prefix: list[int]) -> None:
         """Positions ``0..prefix-1`` of each request, written by SGLang's own pool code."""
@@ -314,3 +320,12 @@ def test_fuzz_bad_forward_batches_are_refused_before_any_write() -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer + world.pool.v_buffer)), kind
 
     check()
+
+
+def test_the_adapter_takes_the_backend_the_edge_resolved_and_looks_none_up() -> None:
+    """No fallback lookup inside: an unbound pool class and a missing backend are refused by name."""
+    with pytest.raises(UnsupportedConfigError, match="SGLANG_PLATFORM=hal"):
+        World(UnboundHalPool, seed=1)
+    world = World(MHATokenToKVPool, seed=1)
+    with pytest.raises(UnsupportedConfigError, match="backend must be a hal.Backend"):
+        HalAttnBackend(world.runner, "cpu")  # type: ignore[arg-type]

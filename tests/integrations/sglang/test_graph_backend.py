@@ -11,15 +11,25 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 
+import hal  # noqa: E402
 from hal.errors import GraphError, UnsupportedConfigError  # noqa: E402
 from hal.integrations.sglang.graph import HalGraphBackend  # noqa: E402
+from hal.integrations.sglang.plugin import bound_to  # noqa: E402
 
 
 def make_backend(metadata: object = None) -> HalGraphBackend:
+    """The graph backend as hal's platform hands it to SGLang (bound to its hal backend), under an
+    attention backend that is not hal's."""
     runner = types.SimpleNamespace(
         model_runner=types.SimpleNamespace(device="cpu", attn_backend=types.SimpleNamespace(forward_metadata=metadata)),
     )
-    return HalGraphBackend(runner)
+    return bound_to(HalGraphBackend, hal.get_backend("cpu"))(runner)  # type: ignore[no-any-return]
+
+
+def test_without_a_bound_backend_or_hals_attention_it_refuses() -> None:
+    runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(device="cpu", attn_backend=types.SimpleNamespace()))
+    with pytest.raises(UnsupportedConfigError, match="SGLANG_PLATFORM=hal"):
+        HalGraphBackend(runner)
 
 
 def test_capture_then_replay_reads_the_static_inputs() -> None:

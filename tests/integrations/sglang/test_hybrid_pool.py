@@ -17,15 +17,20 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 
+import hal  # noqa: E402
 from hal.errors import CacheLocationError, UnsupportedConfigError  # noqa: E402
+from hal.integrations.sglang.plugin import bound_to  # noqa: E402
 from hal.integrations.sglang.attention import HalAttnBackend  # noqa: E402
-from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool, store_in_hal_pool  # noqa: E402
+from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool as UnboundHalPool, store_in_hal_pool  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from forward_batches import make_batch  # noqa: E402
+
+# What hal's platform hands SGLang: the pool class bound to the backend it resolved.
+HalMHATokenToKVPool = bound_to(UnboundHalPool, hal.get_backend("cpu"))
 
 Q_HEADS, HEAD_DIM, V_HEAD_DIM = 4, 16, 8
 KV_HEADS = {False: 1, True: 2}  # by is_swa
@@ -76,7 +81,7 @@ class HybridWorld:
             device="cpu", req_to_token_pool=types.SimpleNamespace(req_to_token=self.req_to_token), token_to_kv_pool=self.pool,
             model_config=types.SimpleNamespace(context_len=MAX_CONTEXT), sliding_window_size=WINDOW,
         )
-        self.backend = HalAttnBackend(runner)
+        self.backend = HalAttnBackend(runner, hal.get_backend("cpu"))
 
     def place(self, reqs: list[int], prefix: list[int], q_lens: list[int]) -> None:
         """Give every page a request can see this forward an SWA page; pages wholly before its
@@ -220,9 +225,9 @@ def test_what_stays_unsupported_is_refused_by_name() -> None:
     ring = make_pool(MHATokenToKVPool)
     ring.swa_req_ring_size = 64
     with pytest.raises(UnsupportedConfigError, match="per-request SWA ring mode"):
-        store_in_hal_pool(ring)
+        store_in_hal_pool(ring, hal.get_backend("cpu"))
     from sglang.srt.mem_cache.unified_memory_pool import UnifiedSWAKVPool
 
     unified = UnifiedSWAKVPool.__new__(UnifiedSWAKVPool)  # its type is what is refused
     with pytest.raises(UnsupportedConfigError, match="UnifiedSWAKVPool: unified"):
-        store_in_hal_pool(unified)
+        store_in_hal_pool(unified, hal.get_backend("cpu"))

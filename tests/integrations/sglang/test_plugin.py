@@ -58,10 +58,13 @@ def test_platform_hal_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert type(platform) is HalPlatform
     assert isinstance(platform, CpuSRTPlatform) and platform.is_cpu()  # the device stays SGLang's CPU
     assert platform.is_out_of_tree()
-    assert platform.get_kv_pool_cls(kind="mha") is HalMHATokenToKVPool
-    assert issubclass(HalMHATokenToKVPool, MHATokenToKVPool)
+    # The classes SGLang constructs itself come bound to the one backend the platform resolved.
+    pool_cls, graph_cls = platform.get_kv_pool_cls(kind="mha"), platform.get_full_graph_backend_cls()
+    assert issubclass(pool_cls, HalMHATokenToKVPool) and issubclass(HalMHATokenToKVPool, MHATokenToKVPool)
+    assert issubclass(graph_cls, HalGraphBackend)
+    assert pool_cls.hal_backend is graph_cls.hal_backend is platform.hal_backend
+    assert platform.get_kv_pool_cls(kind="mha") is pool_cls  # bound once
     assert platform.get_kv_pool_cls(kind="mla") is None
-    assert platform.get_full_graph_backend_cls() is HalGraphBackend
     runner = platform.get_speculative_graph_runner_cls(algorithm="EAGLE", phase="multi_layer_draft_extend")
     assert runner is HalMultiLayerEagleDraftExtendRunner
     assert issubclass(runner, MultiLayerEagleMultiStepDraftExtendCudaGraphRunner)
