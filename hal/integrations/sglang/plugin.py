@@ -44,11 +44,17 @@ def edge_backend(device: Any) -> Any:
     """The ``hal.Backend`` SGLang's runners are served with, resolved here once per runner and
     handed inward: hal's platform's (resolved when SGLang activated it) under ``SGLANG_PLATFORM=hal``,
     else hal's backend for the runner's device string (hal parses it: torch may not know "npu")."""
-    if os.environ.get("SGLANG_PLATFORM") == NAME:
-        from hal.integrations.sglang.platform import HalPlatform
-
-        return HalPlatform.hal_backend
     import hal
+
+    if os.environ.get("SGLANG_PLATFORM") == NAME:
+        from sglang.srt.platforms import current_platform
+
+        backend = getattr(current_platform, "hal_backend", None)
+        if not isinstance(backend, hal.Backend):
+            raise hal.UnsupportedConfigError(
+                f"SGLANG_PLATFORM={NAME} but SGLang's platform is {type(current_platform).__name__}, which holds no hal backend"
+            )
+        return backend
 
     return hal.get_backend(str(device))
 
