@@ -3,7 +3,7 @@
     PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 \\
         python benchmarks/sglang_speed.py [--prompt-lens 128 900] [--dtypes float32 float16] [--repeats 5]
     PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
-        python benchmarks/sglang_speed.py --mtp [--batch 4] [--new-tokens 64] [--repeats 5]
+        python benchmarks/sglang_speed.py --mtp [--prompt-lens 1024] [--batch 4] [--new-tokens 64] [--repeats 5]
 
 Both engines serve the same random Llama (saved by transformers) side by side; each timed sample is
 one ``generate`` of ``--batch`` prompts with ``--new-tokens`` greedy tokens, the two backends
@@ -60,41 +60,52 @@ def bench_mtp(args: argparse.Namespace) -> int:
             **(spec if name == "mtp" else {}),
         )
 
-    prompts = make_prompts(args.batch, config["vocab_size"], 0)
+    # The demo's short prompts (5, 8, 11, ... tokens), or random ones of each --prompt-lens length.
+    gen = torch.Generator().manual_seed(1)
+    batches = [("demo", make_prompts(args.batch, config["vocab_size"], 0))] if args.prompt_lens is None else [
+        (str(n), torch.randint(1, config["vocab_size"], (args.batch, n), generator=gen).tolist()) for n in args.prompt_lens]
     params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     # The accept length is read while the speculative engine is the only one: SGLang's front end
     # computes it from process-wide settings, which the second engine replaces.
     engines = {"mtp": start("mtp")}
+    rows, all_same = [], True
     try:
-        first = {"mtp": engines["mtp"].generate(input_ids=prompts, sampling_params=params)}
-        verifies = sum(o["meta_info"]["spec_verify_ct"] for o in first["mtp"])
-        accept = sum(len(o["output_ids"]) - 1 for o in first["mtp"]) / verifies
+        accepts = []
+        for _, prompts in batches:
+            out = engines["mtp"].generate(input_ids=prompts, sampling_params=params)
+            verifies = sum(o["meta_info"]["spec_verify_ct"] for o in out)
+            accepts.append((sum(len(o["output_ids"]) - 1 for o in out) / verifies, [o["output_ids"] for o in out]))
         engines["plain"] = start("plain")
-        first["plain"] = engines["plain"].generate(input_ids=prompts, sampling_params=params)
-        same = [o["output_ids"] for o in first["mtp"]] == [o["output_ids"] for o in first["plain"]]
-        rates: dict[str, list[float]] = {"mtp": [], "plain": []}
-        for i in range(args.repeats):
-            for name in ("mtp", "plain") if i % 2 == 0 else ("plain", "mtp"):
-                begin = time.perf_counter()
-                engines[name].generate(input_ids=prompts, sampling_params=params)
-                rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - begin))
+        for (label, prompts), (accept, mtp_tokens) in zip(batches, accepts):
+            plain_tokens = [o["output_ids"] for o in engines["plain"].generate(input_ids=prompts, sampling_params=params)]
+            same = mtp_tokens == plain_tokens
+            all_same &= same
+            rates: dict[str, list[float]] = {"mtp": [], "plain": []}
+            for i in range(args.repeats):
+                for name in ("mtp", "plain") if i % 2 == 0 else ("plain", "mtp"):
+                    begin = time.perf_counter()
+                    engines[name].generate(input_ids=prompts, sampling_params=params)
+                    rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - begin))
+            ratios = [m / p for m, p in zip(rates["mtp"], rates["plain"])]
+            rows.append(f"| {label} | {statistics.median(rates['mtp']):.1f} | {statistics.median(rates['plain']):.1f} "
+                        f"| {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} | {accept:.2f} of {steps + 1} "
+                        f"| {'yes' if same else 'no'} |")
     finally:
         for engine in engines.values():
             engine.shutdown()
-    ratios = [m / p for m, p in zip(rates["mtp"], rates["plain"])]
     print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} alternating pairs")
-    print("| MTP tok/s | plain tok/s | MTP / plain (median) | spread | accept length | same tokens |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {statistics.median(rates['mtp']):.1f} | {statistics.median(rates['plain']):.1f} | {statistics.median(ratios):.2f} "
-          f"| {min(ratios):.2f}-{max(ratios):.2f} | {accept:.2f} of {steps + 1} | {'yes' if same else 'no'} |")
-    return 0 if same else 1
+    print("| prompt | MTP tok/s | plain tok/s | MTP / plain (median) | spread | accept length | same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0 if all_same else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     import sglang
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 900])
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=None,
+                        help="prompt lengths (default 128 900; with --mtp, the demo's short prompts)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("hal", "torch_native")
         }
         try:
-            for length in args.prompt_lens:
+            for length in args.prompt_lens or [128, 900]:
                 prompts = torch.randint(3, 1000, (args.batch, length), generator=gen).tolist()
                 params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
                 outputs: dict[str, list[list[int]]] = {}

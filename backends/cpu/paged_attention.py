@@ -388,6 +388,14 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, workspace: GatherWor
     return workspace.take(name + "-fp32", shape, torch.float32, cache.device).copy_(raw)
 
 
+def _gather_rows(q: torch.Tensor, rows: torch.Tensor, workspace: GatherWorkspace | None) -> torch.Tensor:
+    """``q[rows]``, into the workspace where there is one (a fresh prompt-sized tensor per layer
+    costs its page faults again)."""
+    if workspace is None:
+        return q.index_select(0, rows)
+    return torch.index_select(q, 0, rows, out=workspace.take("q", (rows.numel(), *q.shape[1:]), q.dtype, q.device))
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
     k_cache: torch.Tensor,  # [num_pages + 1, page_size, Hkv, Dk]
@@ -444,8 +452,14 @@ def _attend_group(
     hq, dk = q.shape[1], q.shape[2]
     hkv, dv = v_cache.shape[2], v_cache.shape[3]
     g = hq // hkv
-    qt = q[group.q_rows] if isinstance(group.q_rows, slice) else q.index_select(0, group.q_rows)
-    qt = qt.float() * scaling  # [n * rows, Hq, Dk]
+    # Autograd keeps what it saves for the backward: a buffer the next layer overwrites must not be one.
+    reuse = workspace if not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+                                                          or (sinks is not None and sinks.requires_grad))) else None
+    qt = q[group.q_rows] if isinstance(group.q_rows, slice) else _gather_rows(q, group.q_rows, reuse)
+    if reuse is not None and qt.dtype == torch.float32:
+        qt = torch.mul(qt, scaling, out=reuse.take("q-scaled", tuple(qt.shape), torch.float32, qt.device))
+    else:
+        qt = qt.float() * scaling  # [n * rows, Hq, Dk]
     fused_tile = sinks is None and dk == dv and rows >= FUSED_MIN_ROWS
     strided = _strided_views(k_cache, v_cache, group, dk)
     if strided is not None:

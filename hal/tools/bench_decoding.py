@@ -57,8 +57,9 @@ def bench_speculative(backend: Backend, quick: bool) -> list[Measurement]:
 def bench_vs_plain(
     backend: Backend, quick: bool, log: Callable[[str], None] = print
 ) -> list[Measurement]:
-    """hal greedy and hal MTP (S=3) vs ``PlainDecoder`` on the demo's distilled model: batch 1, 4 and 8,
-    prompts of 64 and 1024 tokens, 32 new tokens, whole calls (prefill included) timed alternately.
+    """hal greedy and hal MTP (S=3) vs ``PlainDecoder`` on the demo's distilled model, and MTP vs greedy:
+    batch 1, 4 and 8, prompts of 64 and 1024 tokens, 32 new tokens, whole calls (prefill included)
+    timed alternately.
     Every run's tokens must equal the plain decoder's, or the row is a ``ResultMismatchError``."""
     from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
     from hal.tools.plain_decoder import PlainDecoder
@@ -90,11 +91,17 @@ def bench_vs_plain(
                 samples[name].append((result.tokens_per_second, reference.tokens_per_second))
                 if name == "mtp":
                     accept.append(result.mean_accept_length)
+        mtp_name = f"MTP S=3 (accept {statistics.mean(accept):.2f})"
         for name, pairs in samples.items():
-            what = "greedy" if name == "greedy" else f"MTP S=3 (accept {statistics.mean(accept):.2f})"
+            what = "greedy" if name == "greedy" else mtp_name
             out.append(judged(f"hal {what} vs plain decoder (KV cache + SDPA), batch {batch}, prompt {prompt_len}",
                               statistics.median(h for h, _ in pairs), statistics.median(p for _, p in pairs), "tok/s",
                               [h / p for h, p in pairs], "hal/plain tok/s", ">= 1" if name == "greedy" else ">= 2"))
+        # Speculative decoding must never cost time: MTP against hal's own greedy, paired by repeat.
+        greedy, mtp = samples["greedy"], samples["mtp"]
+        out.append(judged(f"hal {mtp_name} vs hal greedy, batch {batch}, prompt {prompt_len}",
+                          statistics.median(m for m, _ in mtp), statistics.median(g for g, _ in greedy), "tok/s",
+                          [m / g for (m, _), (g, _) in zip(mtp, greedy)], "MTP/greedy tok/s", ">= 1"))
         log(f"plain decoder comparison: batch {batch}, prompt {prompt_len} done")
     return out
 

@@ -196,8 +196,9 @@ def test_rows_report_the_spread_and_call_a_verdict_that_could_go_either_way_nois
 
 
 def test_plain_decoder_rows_check_tokens_and_carry_targets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``hal bench --plain`` on a small undistilled model: one greedy and one MTP row per shape, each
-    with the target and the spread; a plain decoder that disagrees stops the run."""
+    """``hal bench --plain`` on a small undistilled model: per shape a greedy and an MTP row against
+    the plain decoder and an MTP row against hal's greedy (timed by the same runs), each with the
+    target and the spread; a plain decoder that disagrees stops the run."""
     import hal.tools.bench_decoding as decoding
     from hal.errors import ResultMismatchError
     from hal.speculative.model import TinyConfig, TinyMiMo
@@ -205,9 +206,12 @@ def test_plain_decoder_rows_check_tokens_and_carry_targets(monkeypatch: pytest.M
 
     monkeypatch.setattr(decoding, "_distilled_demo_model", lambda: TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=3)))
     rows = decoding.bench_vs_plain(hal.get_backend("cpu"), True, log=lambda line: None)
-    assert [(m.target, m.ratio_of) for m in rows] == [(">= 1", "hal/plain tok/s"), (">= 2", "hal/plain tok/s")] * 2
+    assert [(m.target, m.ratio_of) for m in rows] == [
+        (">= 1", "hal/plain tok/s"), (">= 2", "hal/plain tok/s"), (">= 1", "MTP/greedy tok/s")] * 2
     for m in rows:
         assert m.spread is not None and m.spread[0] <= m.ratio <= m.spread[1] and m.met is not None
+    for greedy, mtp, versus in zip(rows[::3], rows[1::3], rows[2::3]):
+        assert (versus.hal, versus.baseline) == (mtp.hal, greedy.hal)
 
     real = PlainDecoder.generate
 

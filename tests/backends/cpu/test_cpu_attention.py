@@ -424,3 +424,34 @@ def test_workspace_reuse_across_calls_of_changing_size_matches_fresh_buffers(dty
         fresh = paged_attention(*args, scaling=0.3)
         reused = paged_attention(*args, scaling=0.3, workspace=ws)
         assert torch.equal(reused, fresh)
+
+
+def test_gradients_through_calls_sharing_a_workspace_equal_those_without_one() -> None:
+    """Two calls sharing one workspace, then one backward through both: the gradients of q, K and V
+    equal those of calls that gather into new tensors (nothing autograd saved was overwritten by
+    the second call), and those of the dense oracle."""
+    gen = torch.Generator().manual_seed(5)
+    ps, hkv, hq, dk, dv = 4, 2, 4, 8, 6
+    kv_lens, q_lens, table = [9, 7], [3, 2], torch.tensor([[3, 1, 5], [2, 8, 0]])
+    other_table = torch.tensor([[4, 6, 11], [10, 9, 0]])  # the second call gathers other pages
+    cu = torch.tensor([0, 3, 5])
+    leaves = [torch.randn(5, hq, dk, generator=gen), torch.randn(5, hq, dk, generator=gen),
+              torch.randn(12, ps, hkv, dk, generator=gen), torch.randn(12, ps, hkv, dv, generator=gen)]
+
+    def grads(workspace: cpu_kernel.GatherWorkspace | None, cache_grads: bool) -> list[torch.Tensor | None]:
+        q1, q2 = (x.clone().requires_grad_() for x in leaves[:2])
+        k, v = (x.clone().requires_grad_(cache_grads) for x in leaves[2:])
+        outs = [paged_attention(q, k, v, t, torch.tensor(kv_lens), cu, scaling=0.3, workspace=workspace)
+                for q, t in ((q1, table), (q2, other_table))]
+        (outs[0] * 2 + outs[1]).sum().backward()
+        return [x.grad for x in (q1, q2, k, v)]
+
+    for cache_grads in (True, False):  # K/V saved for q's gradient alone must not be overwritten either
+        fresh, shared = grads(None, cache_grads), grads(cpu_kernel.GatherWorkspace(), cache_grads)
+        for a, b in zip(shared, fresh):
+            assert (a is None and b is None) or torch.allclose(a, b, atol=1e-6)
+    q = leaves[0].clone().requires_grad_()
+    keys = [leaves[2][table[b]].reshape(-1, hkv, dk)[:n] for b, n in enumerate(kv_lens)]
+    values = [leaves[3][table[b]].reshape(-1, hkv, dv)[:n] for b, n in enumerate(kv_lens)]
+    expect = dense_attention(q, keys, values, q_lens, scaling=0.3)
+    assert torch.allclose(fresh[0], torch.autograd.grad((expect * 2).sum(), q)[0], atol=1e-5)
