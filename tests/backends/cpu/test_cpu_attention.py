@@ -455,3 +455,21 @@ def test_gradients_through_calls_sharing_a_workspace_equal_those_without_one() -
     values = [leaves[3][table[b]].reshape(-1, hkv, dv)[:n] for b, n in enumerate(kv_lens)]
     expect = dense_attention(q, keys, values, q_lens, scaling=0.3)
     assert torch.allclose(fresh[0], torch.autograd.grad((expect * 2).sum(), q)[0], atol=1e-5)
+
+
+def test_a_gathered_decode_step_where_every_row_sees_every_key_carries_no_mask() -> None:
+    """Equal requests on scattered pages (SGLang's interleaved decode slots): the plan gathers them
+    with no mask to rebuild per layer; one shorter request brings the mask back, and both equal the oracle."""
+    gen = torch.Generator().manual_seed(7)
+    ps, hkv, hq, dk = 1, 2, 4, 8
+    k_cache, v_cache = torch.randn(64, ps, hkv, dk, generator=gen), torch.randn(64, ps, hkv, dk, generator=gen)
+    table = (1 + torch.arange(12)[None, :] * 4 + torch.arange(4)[:, None])  # request r at slots 1 + 4p + r
+    for kv_lens in ([12, 12, 12, 12], [12, 12, 9, 12]):
+        plan = cpu_kernel.plan_attention(kv_lens, [1] * 4, table, ps, sliding_window=None, token_bytes=64, in_place=True)
+        (group,) = plan.groups
+        assert (group.blocked is None) == (len(set(kv_lens)) == 1)
+        q = torch.randn(4, hq, dk, generator=gen)
+        out = paged_attention(q, k_cache, v_cache, table, torch.tensor(kv_lens), torch.arange(5), scaling=0.3, plan=plan)
+        keys = [k_cache[table[b, :n]].reshape(n, hkv, dk) for b, n in enumerate(kv_lens)]
+        values = [v_cache[table[b, :n]].reshape(n, hkv, dk) for b, n in enumerate(kv_lens)]
+        assert torch.allclose(out, dense_attention(q, keys, values, [1] * 4, scaling=0.3).float(), atol=1e-5)
