@@ -209,19 +209,28 @@ def _group(
     cols = (page_lo[:, None] + torch.arange(pages)[None, :]).clamp_max(block_table.shape[1] - 1)
     page_ids = block_table[req.to(device)[:, None], cols.to(device)].reshape(-1).long()
 
-    real = torch.arange(rows)[None, :] < n_rows[:, None]  # [n, rows]
-    pos = first_pos[:, None] + torch.arange(rows)[None, :]
     key = (page_lo * ps)[:, None] + torch.arange(pages * ps)[None, :]  # [n, K] absolute key index
-    visible = (key[:, None, :] <= pos[:, :, None]) & (key[:, None, :] < kv[:, None, None])
-    if sliding_window is not None:
-        visible &= key[:, None, :] >= pos[:, :, None] - sliding_window
-    visible &= real[:, :, None]
-    sees_none = ~visible.any(-1)  # padding rows, and rows before their request's first key
-    visible[:, :, 0] |= sees_none  # they read key 0 instead of nothing (no NaN); zeroed below
-    real_blind = sees_none & real
-    zero_rows = real_blind.view(n, 1, 1, rows, 1).to(device) if bool(real_blind.any()) else None
+    if rows == 1:
+        # One-row tiles (decode, a request's single new token): every tile's row is real and sits at
+        # its request's last position, so it sees its own key: no padding row, none blind.
+        real = torch.ones((n, 1), dtype=torch.bool)
+        visible = (key < kv[:, None])[:, None, :]
+        if sliding_window is not None:
+            visible &= (key >= (first_pos - sliding_window)[:, None])[:, None, :]
+        zero_rows = None
+    else:
+        real = torch.arange(rows)[None, :] < n_rows[:, None]  # [n, rows]
+        pos = first_pos[:, None] + torch.arange(rows)[None, :]
+        visible = (key[:, None, :] <= pos[:, :, None]) & (key[:, None, :] < kv[:, None, None])
+        if sliding_window is not None:
+            visible &= key[:, None, :] >= pos[:, :, None] - sliding_window
+        visible &= real[:, :, None]
+        sees_none = ~visible.any(-1)  # padding rows, and rows before their request's first key
+        visible[:, :, 0] |= sees_none  # they read key 0 instead of nothing (no NaN); zeroed below
+        real_blind = sees_none & real
+        zero_rows = real_blind.view(n, 1, 1, rows, 1).to(device) if bool(real_blind.any()) else None
 
-    contiguous = bool(real.all()) and all(tiles[i + 1][1] == tiles[i][1] + rows for i in range(n - 1))
+    contiguous = (rows == 1 or bool(real.all())) and all(tiles[i + 1][1] == tiles[i][1] + rows for i in range(n - 1))
     if contiguous:
         q_rows: slice | torch.Tensor = slice(tiles[0][1], tiles[0][1] + n * rows)
         out_rows = None
