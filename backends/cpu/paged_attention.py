@@ -254,9 +254,9 @@ def _group(
         narrowest = min(end - first for _, _, first, end in views)
         if narrowest * token_bytes < VIEW_MIN_TILE_BYTES:
             views = None  # small tiles one at a time cost more than one batched gather
-    if views is None and not bool(blocked.any()):
-        blocked = None  # every row sees every key (a decode step of equal requests): no mask to build per layer
-    return TileGroup(n, rows, pages, page_ids, blocked, q_rows, out_rows, zero_rows, views=views, strided=strided,
+    # Every row sees every key (a decode step of equal requests): no mask to build per layer.
+    mask = None if views is None and not bool(blocked.any()) else blocked
+    return TileGroup(n, rows, pages, page_ids, mask, q_rows, out_rows, zero_rows, views=views, strided=strided,
                      strided_blocked=strided_blocked, unseen=unseen, strided_unseen=strided_unseen)
 
 
