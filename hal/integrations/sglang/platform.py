@@ -17,14 +17,12 @@ from typing import Any
 
 import hal
 from hal.errors import UnsupportedConfigError
-from hal.integrations.sglang.plugin import NAME, bound_to
+from hal.integrations.sglang.plugin import CHAIN_ALGORITHMS, NAME, bound_to
 from sglang.srt.platforms.interface import PlatformCapabilities
 
 # SGLang resolves its platform while ``sglang.srt.platforms`` is still importing: this module
 # imports no other SGLang module at load time; the hooks import what they return.
 
-#: Speculative algorithms whose verify batches are chains (with ``speculative_eagle_topk=1``).
-CHAIN_ALGORITHMS = frozenset({"EAGLE", "NEXTN", "STANDALONE"})
 #: The phase the patched multi-layer EAGLE worker asks ``get_speculative_graph_runner_cls`` for.
 MULTI_LAYER_DRAFT_EXTEND = "multi_layer_draft_extend"
 

@@ -8,6 +8,8 @@ from typing import Any
 
 #: The name SGLang knows hal by: ``--attention-backend hal`` and ``SGLANG_PLATFORM=hal``.
 NAME = "hal"
+#: Speculative algorithms whose verify batches are chains (with ``speculative_eagle_topk=1``).
+CHAIN_ALGORITHMS = frozenset({"EAGLE", "NEXTN", "STANDALONE"})
 
 
 def register() -> None:
@@ -32,12 +34,33 @@ def create_attention_backend(model_runner: Any) -> Any:
     from hal.integrations.sglang.attention import HalAttnBackend
 
     algorithm = getattr(model_runner, "spec_algorithm", None)
+    if algorithm is not None and not algorithm.is_none():
+        check_chain_configuration(algorithm.name, getattr(getattr(model_runner, "server_args", None), "speculative_eagle_topk", None))
     if algorithm is not None and not algorithm.is_none() and os.environ.get("SGLANG_PLATFORM") != NAME:
         raise UnsupportedConfigError(
             f"attention backend {NAME!r} serves speculative decoding ({algorithm.name}) through hal's platform: "
             f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
         )
     return HalAttnBackend(model_runner, edge_backend(model_runner.device))
+
+
+def check_chain_configuration(algorithm: str, topk: Any) -> None:
+    """Refuse at start-up a speculative configuration whose verify batches are trees (an algorithm
+    outside ``CHAIN_ALGORITHMS``, such as NGRAM, or ``speculative_eagle_topk`` above 1): hal
+    verifies chains, and each such batch would be refused (``check_chain_verify``) after the
+    server had started."""
+    from hal.errors import UnsupportedConfigError
+
+    if str(algorithm).upper() not in CHAIN_ALGORITHMS:
+        raise UnsupportedConfigError(
+            f"attention backend {NAME!r}: speculative algorithm {algorithm} verifies trees; hal verifies chains "
+            f"({', '.join(sorted(CHAIN_ALGORITHMS))} with speculative_eagle_topk=1)"
+        )
+    if topk is not None and topk != 1:
+        raise UnsupportedConfigError(
+            f"attention backend {NAME!r}: speculative_eagle_topk={topk} makes tree verify batches; hal verifies "
+            "chains (speculative_eagle_topk=1)"
+        )
 
 
 def edge_backend(device: Any) -> Any:

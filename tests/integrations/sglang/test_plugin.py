@@ -126,3 +126,25 @@ def test_speculative_decoding_without_hals_platform_is_refused_at_start_up(monke
     runner = types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.EAGLE)
     with pytest.raises(UnsupportedConfigError, match="set SGLANG_PLATFORM=hal"):
         plugin.create_attention_backend(runner)
+
+
+@pytest.mark.parametrize(("algorithm", "topk", "named"), [("NGRAM", None, "NGRAM verifies trees"),
+                                                          ("EAGLE", 2, "speculative_eagle_topk=2"),
+                                                          ("EAGLE", 4, "speculative_eagle_topk=4")])
+def test_tree_speculative_configurations_are_refused_at_start_up(monkeypatch: pytest.MonkeyPatch, algorithm: str,
+                                                                  topk: int | None, named: str) -> None:
+    """NGRAM and EAGLE with topk > 1 make tree verify batches, which hal refuses batch by batch:
+    the first model runner refuses them by name before the server starts (under hal's platform
+    too), where SGLang would otherwise die at the first draft; a chain configuration gets past."""
+    import types
+
+    from hal.errors import UnsupportedConfigError
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    tree = types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm],
+                                 server_args=types.SimpleNamespace(speculative_eagle_topk=topk))
+    with pytest.raises(UnsupportedConfigError, match=named):
+        plugin.create_attention_backend(tree)
+    plugin.check_chain_configuration("EAGLE", 1)  # the chain: no refusal
+    plugin.check_chain_configuration("NEXTN", None)
