@@ -62,6 +62,7 @@ _EXPORTS = {
     "KVPoolSpec": "hal.spec",
     "LayerSpec": "hal.spec",
     "SWAPoolSpec": "hal.spec",
+    "tree_mask_from_parents": "hal.tree",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -107,3 +108,4 @@ if TYPE_CHECKING:
     from hal.protocols import AttentionKernel, Availability, Backend, Graph, KVPool
     from hal.registry import get_backend, list_backends, parse_device, register_backend, unregister_backend
     from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+    from hal.tree import tree_mask_from_parents

@@ -5,7 +5,8 @@ metadata checked against this kernel's pool); ``forward`` is written once, here,
 keeps a refused call harmless:
 
 1. the plan fits this pool and capture; ``validate_attention_call``: shapes, dtypes, devices and SWA routing of every argument;
-2. ``check_supported``: the backend's own limits (``UnsupportedConfigError``), before any write;
+2. a tree batch on a kernel that does not declare ``serves_trees``, and ``check_supported``: the
+   backend's own limits (``UnsupportedConfigError``), before any write;
 3. ``pool.set_kv_for_forward``: the new K/V (when ``save_kv_cache``);
 4. ``_attend``: the hardware-specific part, over the paged cache, with the forward's plan.
 """
@@ -37,6 +38,9 @@ class AttentionKernelBase:
 
     #: KV length of a padded request in a padded graph batch (1: it sees slot 0 of the padding page).
     seq_len_fill_value: int = 1
+    #: Whether ``_attend`` computes TARGET_VERIFY batches over draft trees (``metadata.tree_mask``,
+    #: see ``hal.tree``); a kernel that does not is refused such batches before anything is written.
+    serves_trees: bool = False
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -63,6 +67,9 @@ class AttentionKernelBase:
             raise SpecError(f"{where} takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
         plan.check_usable(self.pool, where)
         validate_attention_call(self.pool, q, k, v, layer, plan.metadata, sinks, save_kv_cache)
+        if plan.metadata.tree_mask is not None and not self.serves_trees:
+            raise UnsupportedConfigError(f"{type(self).__name__}, layer {layer.layer_id}: this kernel verifies chains; "
+                                         "the batch is a draft tree (metadata.tree_mask)")
         self.check_supported(layer, plan.metadata)
         if save_kv_cache:
             assert k is not None and v is not None  # validate_attention_call checked them
@@ -114,7 +121,7 @@ class AttentionKernelBase:
     ) -> torch.Tensor:
         """Call a kernel with ``hal.oracle.paged_oracle``'s signature on this layer's sub-pool:
         ``paged_attention(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, scaling=...,
-        sliding_window=..., sinks=..., **options)``."""
+        sliding_window=..., sinks=..., tree_mask=..., **options)``."""
         metadata = plan.metadata
         return paged_attention(
             q,
@@ -126,6 +133,7 @@ class AttentionKernelBase:
             scaling=layer.scaling,
             sliding_window=layer.sliding_window,
             sinks=sinks,
+            tree_mask=metadata.tree_mask,
             **options,
         )
 

@@ -16,6 +16,7 @@ from hal.graph import GraphUpdate
 from hal.metadata import AttentionMetadata, build_metadata, check_metadata_against
 from hal.protocols import AttentionKernel, Backend, Graph
 from hal.spec import ForwardMode, int_at_least
+from hal.tree import chain_tree_mask
 
 Forward = Callable[[Mapping[str, torch.Tensor], AttentionMetadata], Any]
 
@@ -41,7 +42,8 @@ def refreshed_metadata(static: AttentionMetadata, new: AttentionMetadata) -> tup
                              f"{tuple(values[name].shape)}: it needs a graph captured for that shape")
     copies = tuple((tensor, values[name]) for name, tensor in static_tensors.items())
     record = attrs.evolve(static, kv_lens_cpu=new.kv_lens_cpu, q_lens_cpu=new.q_lens_cpu,
-                          out_cache_loc_host=new.out_cache_loc_host, block_table_host=new.block_table_host)
+                          out_cache_loc_host=new.out_cache_loc_host, block_table_host=new.block_table_host,
+                          tree_mask_host=new.tree_mask_host)
     return record, copies
 
 
@@ -126,6 +128,8 @@ class GraphRunner:
     ``replay_captured`` (default: ``backend.captures_graphs``) False runs every batch eagerly at its
     real size, with the same checks, for backends whose graphs re-run Python anyway.
     ``tp_group``: the tensor-parallel process group; each graph waits on its barrier before capture.
+    ``trees``: the runner takes ``TARGET_VERIFY`` batches over draft trees (each with a ``tree_mask``)
+    instead of chains.
 
     The replay path refuses what the eager path refuses, before anything is copied into the
     graph's static buffers: metadata is checked against the pool (slot and page ids), inputs
@@ -148,6 +152,7 @@ class GraphRunner:
         eager_fallback: bool = True,
         replay_captured: bool | None = None,
         tp_group: Any = None,
+        trees: bool = False,
     ) -> None:
         if not isinstance(mode, ForwardMode):
             raise SpecError(f"GraphRunner: mode must be a hal.ForwardMode, got {mode!r}")
@@ -155,6 +160,8 @@ class GraphRunner:
             raise SpecError(f"GraphRunner: {mode.name} has no fixed per-request shape to capture")
         tokens_per_request = int_at_least(tokens_per_request, 1, "GraphRunner.tokens_per_request")
         max_pages_per_request = int_at_least(max_pages_per_request, 1, "GraphRunner.max_pages_per_request")
+        if trees and not mode.is_target_verify():
+            raise SpecError(f"GraphRunner: trees=True captures TARGET_VERIFY forwards over draft trees, got {mode.name}")
         if mode.is_decode() and tokens_per_request != 1:
             raise SpecError(f"GraphRunner: DECODE has 1 token per request, got tokens_per_request={tokens_per_request}")
         sizes = sorted(set(int_at_least(b, 1, "GraphRunner.batch_sizes entry") for b in batch_sizes))
@@ -175,6 +182,7 @@ class GraphRunner:
             )
         self.eager_fallback = eager_fallback
         self.tp_group = tp_group
+        self.trees = trees
         # A graph that re-runs its function saves nothing on replay: padding the batch and copying
         # it into static buffers would only add work, so such backends run batches eagerly.
         self.replay_captured = getattr(backend, "captures_graphs", True) if replay_captured is None else bool(replay_captured)
@@ -221,6 +229,7 @@ class GraphRunner:
                 out_cache_loc=[0] * (bs * tpr),
                 pool=self.attention.pool,
                 max_pages=self.max_pages_per_request,
+                tree_mask=chain_tree_mask(bs, tpr) if self.trees else None,
             )
             inputs = {name: buf[: bs * tpr] for name, buf in self._static_inputs.items()}
             captured = CapturedForward(self.backend, functools.partial(self.forward, inputs), metadata,
@@ -265,6 +274,11 @@ class GraphRunner:
         b, tpr = metadata.batch_size, self.tokens_per_request
         if any(q != tpr for q in metadata.q_lens_cpu):
             raise SpecError(f"GraphRunner: every request must have {tpr} tokens, got q_lens {metadata.q_lens_cpu}")
+        if (metadata.tree_mask is not None) != self.trees:
+            raise SpecError(
+                f"GraphRunner made with trees={self.trees} got a verify batch "
+                f"{'with' if metadata.tree_mask is not None else 'without'} a tree_mask"
+            )
         self._check_inputs(inputs, b * tpr)
         # A runner that runs batches eagerly refuses exactly what a replaying one refuses, so engine
         # code tested on one backend behaves alike on every other.
@@ -296,8 +310,8 @@ def pad_metadata(
 ) -> AttentionMetadata:
     """Pad a uniform-q-len batch to ``batch_size`` requests and ``max_pages`` block-table columns.
 
-    Padded requests carry the same q_len as the real ones, write to slot 0 (the padding slot),
-    read page 0 only, and have ``kv_len = fill + q_len - 1`` (so their first token sees ``fill``
+    Padded requests carry the same q_len as the real ones (a chain, in a tree batch), write to
+    slot 0 (the padding slot), read page 0 only, and have ``kv_len = fill + q_len - 1`` (so their first token sees ``fill``
     keys, as ``seq_len_fill_value`` means). ``q_len`` is the per-request query length, needed
     when the batch is empty (default 1 then). Runs on the device; reads no device memory.
     """
@@ -346,6 +360,12 @@ def pad_metadata(
         ),
         block_table_host=None if metadata.block_table_host is None else _padded_table(
             metadata.block_table_host, batch_size, max_pages
+        ),
+        tree_mask=None if metadata.tree_mask is None else torch.cat(
+            [metadata.tree_mask, chain_tree_mask(pad, q_len, device=dev)]
+        ),
+        tree_mask_host=None if metadata.tree_mask_host is None else torch.cat(
+            [metadata.tree_mask_host, chain_tree_mask(pad, q_len)]
         ),
     )
 

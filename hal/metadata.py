@@ -11,6 +11,8 @@ Conventions (shared by every backend):
   ``p - W <= j`` as well (see ``hal.spec``).
 - ``block_table[b, i]`` is the page holding the request's tokens ``i*page_size ...``;
   unused entries are 0, the padding page.
+- A ``TARGET_VERIFY`` batch may carry a tree (``tree_mask``, see ``hal.tree``): then a verify row
+  sees the prefix and the rows its mask names, and its position is ``prefix + depth``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from hal.errors import KVLayoutError, SpecError
 from hal.graph import is_capturing
 from hal.spec import ForwardMode, KVPoolSpec, int_at_least, strict_ints
+from hal.tree import check_tree_mask, tree_depths
 
 
 def _check_request_lengths(where: str, q_lens: Sequence[int], kv_lens: Sequence[int]) -> None:
@@ -81,6 +84,11 @@ class AttentionMetadata:
     # device sync. None when the metadata was built from device tensors directly.
     out_cache_loc_host: torch.Tensor | None = attrs.field(default=None, repr=False)
     block_table_host: torch.Tensor | None = attrs.field(default=None, repr=False)
+    # TARGET_VERIFY over a draft tree: [B, q_len, q_len] bool, row i True at the verify rows it sees
+    # (itself and its ancestors; see hal.tree). None: a chain, each row sees every row before it.
+    tree_mask: torch.Tensor | None = None
+    tree_mask_host: torch.Tensor | None = attrs.field(default=None, repr=False)
+
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.mode, ForwardMode):
             raise SpecError(f"AttentionMetadata.mode must be a hal.ForwardMode, got {self.mode!r}")
@@ -124,6 +132,13 @@ class AttentionMetadata:
                     f"AttentionMetadata.{name} holds {table.shape[1]} pages of {self.page_size} "
                     f"tokens, too few for kv_len {max(self.kv_lens_cpu)}"
                 )
+        if self.tree_mask is not None:
+            if self.mode is not ForwardMode.TARGET_VERIFY:
+                raise SpecError(f"AttentionMetadata: a tree_mask belongs to TARGET_VERIFY batches, got {self.mode.name}")
+            n = self.q_lens_cpu[0] if b else 0
+            if tuple(self.tree_mask.shape) != (b, n, n) or self.tree_mask.dtype != torch.bool:
+                raise SpecError(f"AttentionMetadata.tree_mask is a {self.tree_mask.dtype} tensor of shape "
+                                f"{tuple(self.tree_mask.shape)}, expected bool ({b}, {n}, {n})")
 
     @property
     def batch_size(self) -> int:
@@ -150,6 +165,8 @@ class AttentionMetadata:
         out = {name: getattr(self, name) for name in names}
         if self.swa_block_table is not None:
             out["swa_block_table"] = self.swa_block_table
+        if self.tree_mask is not None:
+            out["tree_mask"] = self.tree_mask
         return out
 
 
@@ -187,6 +204,7 @@ def build_metadata(
     page_size: int | None = None,
     device: torch.device | str | None = None,
     max_pages: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """Build metadata from host-side per-request lengths.
 
@@ -194,7 +212,9 @@ def build_metadata(
     it is padded with 0 to ``max_pages`` columns (default: the most any request needs).
     ``pool`` gives the page size, device and page range; with a hybrid SWA pool the SWA block
     table is derived through its mapping. Slots are checked against a pool by the plan step
-    (``AttentionKernel.plan``), once per forward and kernel.
+    (``AttentionKernel.plan``), once per forward and kernel. ``tree_mask`` (``TARGET_VERIFY``
+    only, ``[B, q_len, q_len]`` bool, e.g. ``hal.tree.tree_mask_from_parents``) makes the verify
+    rows a tree: checked by ``hal.tree.check_tree_mask``, positions ``prefix + depth``.
     """
     if pool is not None:
         page_size = pool.spec.page_size if page_size is None else page_size
@@ -233,7 +253,18 @@ def build_metadata(
     q_t = torch.tensor(q, dtype=torch.int32)
     cu = torch.tensor([0, *itertools.accumulate(q)], dtype=torch.int32)
     total = sum(q)
-    positions = torch.tensor([p for k, n in zip(kv, q) for p in range(k - n, k)], dtype=torch.int64)
+    tree_host = None
+    if tree_mask is not None:
+        if mode is not ForwardMode.TARGET_VERIFY:
+            raise SpecError(f"build_metadata: a tree_mask belongs to TARGET_VERIFY batches, got {mode.name}")
+        if len(set(q)) > 1:
+            raise SpecError(f"build_metadata: TARGET_VERIFY needs the same q_len for every request, got {q}")
+        tree_host = tree_mask.detach().to("cpu", copy=True) if isinstance(tree_mask, torch.Tensor) else tree_mask
+        check_tree_mask(tree_host, len(q), q[0] if q else 0, "build_metadata")
+        depth = tree_depths(tree_host)
+        positions = (torch.tensor([k - n for k, n in zip(kv, q)], dtype=torch.int64)[:, None] + depth).reshape(-1)
+    else:
+        positions = torch.tensor([p for k, n in zip(kv, q) for p in range(k - n, k)], dtype=torch.int64)
     if loc.numel() != total:
         raise SpecError(f"build_metadata: out_cache_loc has shape ({loc.numel()},), expected ({total},): one slot per new token")
     d_positions, d_loc, d_kv, d_q, d_cu, d_table = _upload([positions, loc, kv_t, q_t, cu, table], device)
@@ -254,6 +285,8 @@ def build_metadata(
         swa_block_table=swa_table,
         out_cache_loc_host=loc,
         block_table_host=table,
+        tree_mask=None if tree_host is None else tree_host.to(device, non_blocking=True),
+        tree_mask_host=tree_host,
     )
     if loc.numel() and int(loc.min()) < 0:
         raise SpecError(f"build_metadata: out_cache_loc has the negative slot {int(loc.min())}, expected slots >= 0")

@@ -7,6 +7,9 @@ tests). It follows the conventions of ``hal.spec`` and nothing else, with no tun
   query row ``i`` sits at position ``p = kv_len - q_len + i`` (bottom-right causal, every mode);
 - row ``p`` sees key ``j`` when ``j <= p``, and ``j >= p - W`` on a layer with sliding window ``W``
   (``W + 1`` keys);
+- a verify block over a draft tree (``hal.tree``): row ``i`` sees the prefix and the block rows its
+  tree mask names; its position is ``prefix + depth(i)``, a block key's the same, and the window
+  compares positions;
 - q head ``h`` reads kv head ``h // (Hq / Hkv)`` (GQA); K and V head dims may differ;
 - a sink adds ``exp(sinks[h])`` to head ``h``'s softmax denominator (a logit no value carries);
 - a row that sees no key is 0, sink or not.
@@ -37,13 +40,14 @@ def dense_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
     compute_dtype: torch.dtype = torch.float64,
+    trees: Sequence[torch.Tensor] | None = None,  # per request [q_len, q_len] bool tree mask
 ) -> torch.Tensor:  # [T, Hq, Dv] in compute_dtype
     """Attention of each request's query rows over that request's keys, by the definition above
     (differentiable: ``hal.speculative.distill`` trains through it in float32)."""
     hq = q.shape[1]
     outputs = []
     row = 0
-    for k, v, q_len in zip(keys, values, q_lens, strict=True):
+    for b, (k, v, q_len) in enumerate(zip(keys, values, q_lens, strict=True)):
         kv_len = k.shape[0]
         if kv_len == 0:  # nothing to see
             outputs.append(q.new_zeros((q_len, hq, v.shape[-1]), dtype=compute_dtype))
@@ -53,11 +57,19 @@ def dense_attention(
         qb = q[row : row + q_len].to(compute_dtype)
         kb = k.to(compute_dtype).repeat_interleave(group, dim=1)  # [kv_len, Hq, Dk]
         vb = v.to(compute_dtype).repeat_interleave(group, dim=1)  # [kv_len, Hq, Dv]
-        position = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-        key = torch.arange(kv_len, device=q.device)[None, :]
-        visible = key <= position
+        prefix = kv_len - q_len  # below 0: the first -prefix rows have no key of their own
+        # the block's rows: which of them each row sees, and their depths (a chain: all before, i)
+        sees = torch.ones((q_len, q_len), dtype=torch.bool, device=q.device).tril()
+        if trees is not None:
+            sees = trees[b].to(q.device)
+        depth = sees.sum(-1) - 1
+        position = (prefix + depth)[:, None]
+        cached = max(prefix, 0)
+        keyed = slice(cached - prefix, q_len)  # the block rows whose keys are in the cache
+        key_position = torch.cat([torch.arange(cached, device=q.device), prefix + depth[keyed]])[None, :]
+        visible = torch.cat([torch.ones((q_len, cached), dtype=torch.bool, device=q.device), sees[:, keyed]], 1)
         if sliding_window is not None:
-            visible &= key >= position - sliding_window  # [q_len, kv_len]
+            visible &= key_position >= position - sliding_window  # [q_len, kv_len]
         scores = torch.einsum("qhd,khd->hqk", qb, kb) * scaling
         scores = scores.masked_fill(~visible, float("-inf"))
         peak = scores.amax(-1, keepdim=True)
@@ -104,6 +116,7 @@ def paged_oracle(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    tree_mask: torch.Tensor | None = None,  # [B, N, N] bool: TARGET_VERIFY over draft trees
 ) -> torch.Tensor:  # [T, Hq, Dv] in compute_dtype
     """``dense_attention`` over the paged cache: the signature every backend's kernel has."""
     lens = [int(n) for n in kv_lens.tolist()]
@@ -114,14 +127,17 @@ def paged_oracle(
     keys = [request_rows(k_cache, table[b], n) for b, n in enumerate(lens)]
     values = [request_rows(v_cache, table[b], n) for b, n in enumerate(lens)]
     q_lens = [end - start for start, end in zip(bounds, bounds[1:])]
+    trees = None if tree_mask is None else list(tree_mask.to("cpu"))
     return dense_attention(q, keys, values, q_lens, scaling=scaling, sliding_window=sliding_window, sinks=sinks,
-                           compute_dtype=compute_dtype)
+                           compute_dtype=compute_dtype, trees=trees)
 
 
 class OracleAttention(AttentionKernelBase):
     """An ``AttentionKernel`` over any pool whose attention is ``paged_oracle``: what the conformance
     kit runs beside a backend's kernel, on a pool with the same contents. Not for speed: it reads
     lengths and block tables on the host."""
+
+    serves_trees = True
 
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None

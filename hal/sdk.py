@@ -10,7 +10,9 @@ Adding a backend (device type ``mydev``; ``tests/tools/oot_backend/site/hal_oot_
    before anything is built, and ``forward`` (which validates every argument) raises it as an
    ``UnsupportedConfigError`` before writing K/V, then calls ``_attend``. Route SWA layers with
    ``self.block_table(layer, plan.metadata)``; what you derive from the metadata for a kind of
-   layer goes in ``plan.per_layer_kind`` (once per forward). Set ``seq_len_fill_value``.
+   layer goes in ``plan.per_layer_kind`` (once per forward). Set ``seq_len_fill_value``. Verify
+   batches over draft trees (``metadata.tree_mask``, ``hal.tree``; ``tree_depths`` gives positions)
+   reach ``_attend`` only if the class sets ``serves_trees = True``; otherwise they are refused.
 3. **Host-side op arguments** (like FIA's ``actual_seq_kvlen``, baked into a captured op): call
    ``self.record_updatable_call(layer)`` where each such op is issued and return its arguments from
    ``updatable_params(metadata, layer)``. Kernels that read only device tensors do neither.
@@ -54,6 +56,7 @@ from hal.plan import ForwardPlan
 from hal.protocols import Availability, KVPool
 from hal.oracle import OracleAttention, dense_attention, paged_oracle
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
+from hal.tree import tree_depths
 
 __all__ = [
     "AttentionKernelBase",
@@ -79,8 +82,9 @@ __all__ = [
     "UnsupportedConfigError",
     "copy_into",
     "copy_rows",
+    "dense_attention",
     "host_memory_bytes",
     "is_capturing",
-    "dense_attention",
     "paged_oracle",
+    "tree_depths",
 ]

@@ -18,6 +18,8 @@ class CpuAttention(AttentionKernelBase):
     workspace (a shared one would let one thread's gather overwrite another's K/V mid-matmul).
     """
 
+    serves_trees = True
+
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
         self._per_thread = threading.local()
@@ -42,9 +44,10 @@ class CpuAttention(AttentionKernelBase):
         kind = ("cpu-plan", layer.sliding_window, table is metadata.block_table, heads * (dk + dv), fused)
 
         def index_plan() -> Any:
+            tree = metadata.tree_mask if metadata.tree_mask_host is None else metadata.tree_mask_host
             return plan_attention(metadata.kv_lens_cpu, metadata.q_lens_cpu, table, self.pool.spec.page_size,
                                   sliding_window=layer.sliding_window, token_bytes=heads * (dk + dv) * 4, fused=fused,
-                                  in_place=True)
+                                  in_place=True, tree_mask=tree)
 
         # Layers of one kind share the index plan: index tensors and masks are built once per forward.
         return self._paged(paged_attention, q, layer, plan, sinks, workspace=self.workspace,

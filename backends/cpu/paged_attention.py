@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from hal.sdk import SpecError
+from hal.sdk import SpecError, tree_depths
 
 # Tiles of one group are attended together; a group's gathered fp32 K/V stays about this size, so
 # the gathered copy stays in cache for the matmuls that read it (up to 1.4x faster than one
@@ -126,6 +126,7 @@ def plan_attention(
     chunk_bytes: int | None = None,
     fused: bool = False,
     in_place: bool = False,
+    tree_mask: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """Lay out attention for requests with these host-side lengths over ``block_table``'s pages.
 
@@ -137,20 +138,24 @@ def plan_attention(
     square rather than row tiles. ``in_place``: the block table may be read on the host (the
     caller's tensors live there), so tiles whose pages are consecutive are read as views of the
     cache instead of gathered (see ``VIEW_MIN_TILE_BYTES``), and a batch of equal requests on
-    evenly spaced pages as one strided view (``_strided_groups``).
+    evenly spaced pages as one strided view (``_strided_groups``). ``tree_mask`` (host, ``[B, N,
+    N]`` bool; see ``hal.tree``): the requests' new rows are verify blocks over draft trees, each
+    attended as one tile whose mask follows its tree.
     """
     budget = GATHER_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     ps = page_size
+    if tree_mask is not None:
+        tree_mask = tree_mask.to("cpu")
     # tiles as (request, first packed row, rows, first position, first page, pages)
     tiles: list[tuple[int, int, int, int, int, int]] = []
     squares: list[TileGroup] = []
     row = 0
     for b, (kv, q) in enumerate(zip(kv_lens, q_lens)):
-        if fused and sliding_window is None and q == kv > EXTEND_TILE_ROWS:
+        if fused and sliding_window is None and q == kv > EXTEND_TILE_ROWS and tree_mask is None:
             squares.append(_causal_square(b, row, kv, block_table, ps))
             row += q
             continue
-        step = min(max(q, 1), EXTEND_TILE_ROWS)
+        step = max(q, 1) if tree_mask is not None else min(max(q, 1), EXTEND_TILE_ROWS)
         for first in range(0, q, step):
             n = min(step, q - first)
             pos = kv - q + first
@@ -159,7 +164,7 @@ def plan_attention(
             page_lo = lo // ps
             tiles.append((b, row + first, n, pos, page_lo, max(0, -(-hi // ps) - page_lo)))
         row += q
-    if in_place and tiles and len(tiles) == len(kv_lens):
+    if in_place and tiles and len(tiles) == len(kv_lens) and tree_mask is None:
         strided = _strided_groups(tiles, kv_lens, block_table, ps, sliding_window, token_bytes)
         if strided is not None:
             return AttentionPlan(tuple(strided))
@@ -174,8 +179,9 @@ def plan_attention(
         while end < len(tiles) and max(widest, tiles[end][5]) * ps * (end + 1 - start) * token_bytes <= budget:
             widest, tallest = max(widest, tiles[end][5]), max(tallest, tiles[end][2])
             end += 1
+        tile_trees = None if tree_mask is None else tree_mask[torch.tensor([t[0] for t in tiles[start:end]])]
         groups.append(_group(tiles[start:end], max(widest, 1), tallest, row, kv_lens, block_table, ps, sliding_window,
-                             token_bytes, in_place))
+                             token_bytes, in_place, tile_trees))
         start = end
     return AttentionPlan(tuple(groups + squares))
 
@@ -200,6 +206,7 @@ def _group(
     sliding_window: int | None,
     token_bytes: int,
     in_place: bool,
+    trees: torch.Tensor | None = None,  # [n, rows, rows]: each tile a whole verify block over a draft tree
 ) -> TileGroup:
     n = len(tiles)
     device = block_table.device
@@ -220,10 +227,20 @@ def _group(
         zero_rows = None
     else:
         real = torch.arange(rows)[None, :] < n_rows[:, None]  # [n, rows]
-        pos = first_pos[:, None] + torch.arange(rows)[None, :]
-        visible = (key[:, None, :] <= pos[:, :, None]) & (key[:, None, :] < kv[:, None, None])
+        if trees is None:
+            pos = first_pos[:, None] + torch.arange(rows)[None, :]
+            visible = (key[:, None, :] <= pos[:, :, None]) & (key[:, None, :] < kv[:, None, None])
+            key_pos = key[:, None, :]
+        else:  # the prefix, and the block rows the tree names; positions follow depth (hal.tree)
+            depth = tree_depths(trees)  # [n, rows]
+            pos = first_pos[:, None] + depth
+            block_row = (key - first_pos[:, None]).clamp(0, rows - 1)  # [n, K]
+            in_block = (key >= first_pos[:, None]) & (key < kv[:, None])
+            sees = torch.gather(trees, 2, block_row[:, None, :].expand(n, rows, -1))  # [n, rows, K]
+            visible = (key < first_pos[:, None])[:, None, :] | (in_block[:, None, :] & sees)
+            key_pos = torch.where(key < first_pos[:, None], key, first_pos[:, None] + torch.gather(depth, 1, block_row))[:, None, :]
         if sliding_window is not None:
-            visible &= key[:, None, :] >= pos[:, :, None] - sliding_window
+            visible &= key_pos >= pos[:, :, None] - sliding_window
         visible &= real[:, :, None]
         sees_none = ~visible.any(-1)  # padding rows, and rows before their request's first key
         visible[:, :, 0] |= sees_none  # they read key 0 instead of nothing (no NaN); zeroed below
@@ -377,6 +394,7 @@ def plan_from_tensors(
     v_cache: torch.Tensor,
     sliding_window: int | None,
     chunk_bytes: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """``plan_attention`` for lengths given as tensors (read back here), for calls without metadata."""
     cu = cu_q_lens.tolist()
@@ -384,6 +402,7 @@ def plan_from_tensors(
     return plan_attention(
         kv_lens.tolist(), [cu[i + 1] - cu[i] for i in range(len(cu) - 1)], block_table, v_cache.shape[1],
         sliding_window=sliding_window, token_bytes=token_bytes, chunk_bytes=chunk_bytes,
+        tree_mask=tree_mask,
     )
 
 
@@ -421,19 +440,21 @@ def paged_attention(
     chunk_bytes: int | None = None,  # default: GATHER_CHUNK_BYTES
     workspace: GatherWorkspace | None = None,
     plan: AttentionPlan | None = None,
+    tree_mask: torch.Tensor | None = None,  # [B, N, N] bool: TARGET_VERIFY over draft trees
 ) -> torch.Tensor:
     """Attention of packed queries over paged KV; rows that see no key (and no sink) are 0.
 
     Query row ``i`` of request ``b`` sits at absolute position ``kv_lens[b] - q_len_b + i`` and
-    sees keys ``j <= p`` (and ``j >= p - sliding_window`` when a window is set). ``plan`` is the
-    layout ``plan_attention`` made for these lengths and this block table (built here from the
-    tensors when not given); ``workspace`` holds the gathered K/V between calls (without it, each
+    sees keys ``j <= p`` (and ``j >= p - sliding_window`` when a window is set); in a verify block
+    over a draft tree (``tree_mask``, ``hal.tree``) the prefix and the rows its tree names. ``plan``
+    is the layout ``plan_attention`` made for these lengths, block table and tree (built here from
+    the tensors when not given); ``workspace`` holds the gathered K/V between calls (without it, each
     call allocates its own).
     """
     t, hq, _ = q.shape
     dv = v_cache.shape[3]
     if plan is None:
-        plan = plan_from_tensors(kv_lens, cu_q_lens, block_table, k_cache, v_cache, sliding_window, chunk_bytes)
+        plan = plan_from_tensors(kv_lens, cu_q_lens, block_table, k_cache, v_cache, sliding_window, chunk_bytes, tree_mask)
     if t == 0 or not plan.groups:
         return torch.zeros((t, hq, dv), dtype=q.dtype, device=q.device)
     if len(plan.groups) == 1 and plan.groups[0].out_rows is None:  # decode, verify, draft: no scatter

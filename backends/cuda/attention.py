@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hal.sdk import AttentionKernelBase, ForwardPlan, LayerSpec
+from hal.sdk import AttentionKernelBase, ForwardPlan, LayerSpec, tree_depths
 
 
 class CudaAttention(AttentionKernelBase):
@@ -13,6 +13,8 @@ class CudaAttention(AttentionKernelBase):
     Every length comes from the metadata's device tensors, so the kernel needs no host-side
     update between graph replays (``updatable_params`` is empty).
     """
+
+    serves_trees = True
 
     @classmethod
     def unsupported_reason(
@@ -30,4 +32,8 @@ class CudaAttention(AttentionKernelBase):
         # Tile height follows the rows per request, which only uniform-length modes fix.
         metadata = plan.metadata
         rows_hint = metadata.q_lens_cpu[0] if metadata.mode.has_uniform_query_len() and metadata.q_lens_cpu else 64
-        return self._paged(paged_attention, q, layer, plan, sinks, query_rows_hint=rows_hint)
+        depths = None
+        if metadata.tree_mask is not None:  # once per forward, on the device (a capture records it)
+            tree = metadata.tree_mask
+            depths = plan.per_layer_kind("tree-depths", lambda: tree_depths(tree).to(torch.int32).reshape(-1))
+        return self._paged(paged_attention, q, layer, plan, sinks, query_rows_hint=rows_hint, tree_depths=depths)

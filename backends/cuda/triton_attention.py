@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from hal.sdk import UnsupportedConfigError
+from hal.sdk import tree_depths as depths_of
 
 _INTERPRETER_LOCK = threading.Lock()
 
@@ -55,6 +56,8 @@ def _paged_attention_kernel(
     kv_lens_ptr,
     cu_q_lens_ptr,
     sinks_ptr,
+    tree_ptr,  # [B, N, N] uint8 tree masks of a verify batch over draft trees (HAS_TREE)
+    depth_ptr,  # [T] int32: each row's depth in its tree (HAS_TREE)
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, DV_PAD] fp32: each split's unnormalised output (NUM_SPLITS > 1)
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32: each split's running max (base 2) and sum
     num_requests,
@@ -83,6 +86,7 @@ def _paged_attention_kernel(
     DV_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_TREE: tl.constexpr,  # rows see the prefix and the block rows their tree names; positions by depth
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (fp32 inputs, and the CPU interpreter)
     NUM_SPLITS: tl.constexpr,  # > 1: split-KV, each program covers keys [split * split_chunk, ...)
 ):
@@ -106,8 +110,11 @@ def _paged_attention_kernel(
     head_in_group = offs_m % GROUP_PAD
     row_ok = (q_row < q_len) & (head_in_group < GROUP)
     head = kv_head * GROUP + head_in_group
-    pos = first_pos + q_row
     token = (q_begin + q_row).to(tl.int64)
+    if HAS_TREE:
+        pos = first_pos + tl.load(depth_ptr + token, mask=row_ok, other=0)
+    else:
+        pos = first_pos + q_row
 
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -130,7 +137,10 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(first_pos + tl.minimum(q_start + BLOCK_Q, q_len), kv_len)
     kv_begin = 0
     if HAS_WINDOW:
-        kv_begin = tl.maximum(first_pos + q_start - window, 0)
+        if HAS_TREE:  # a row's position is at least the block's first (its depth may be below its row)
+            kv_begin = tl.maximum(first_pos - window, 0)
+        else:
+            kv_begin = tl.maximum(first_pos + q_start - window, 0)
     if NUM_SPLITS > 1:
         kv_begin = tl.maximum(kv_begin, split * split_chunk)
         kv_end = tl.minimum(kv_end, (split + 1) * split_chunk)
@@ -153,9 +163,20 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, k)
         s = s * scale_log2
-        visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] >= pos[:, None] - window)
+        if HAS_TREE:
+            block_row = offs_n - first_pos  # the key's row in the verify block (< 0: the prefix)
+            in_block = (block_row >= 0) & n_ok
+            tree_row = tree_ptr + (req.to(tl.int64) * q_len + q_row[:, None]) * q_len + block_row[None, :]
+            sees = tl.load(tree_row, mask=row_ok[:, None] & in_block[None, :], other=0)
+            visible = ((block_row[None, :] < 0) | (sees != 0)) & n_ok[None, :]
+            if HAS_WINDOW:
+                key_depth = tl.load(depth_ptr + q_begin + block_row, mask=in_block, other=0)
+                key_pos = tl.where(in_block, first_pos + key_depth, offs_n)
+                visible = visible & (key_pos[None, :] >= pos[:, None] - window)
+        else:
+            visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] >= pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -290,6 +311,8 @@ def paged_attention(
     sinks: torch.Tensor | None,  # [Hq]
     query_rows_hint: int,
     num_splits: int | None = None,
+    tree_mask: torch.Tensor | None = None,  # [B, N, N] bool: TARGET_VERIFY over draft trees
+    tree_depths: torch.Tensor | None = None,  # [T] int32, each row's depth (derived here when not given)
 ) -> torch.Tensor:
     """Launch the kernel; same contract as ``hal.oracle.paged_oracle``.
 
@@ -298,6 +321,8 @@ def paged_attention(
     ``num_splits`` (a power of two; default ``split_count``'s rule) > 1 runs split-KV (flash
     decoding): each program attends one slice of the keys and a second kernel merges the slices.
     The choice depends only on static shapes, so it holds for every replay of a captured graph.
+    ``tree_mask``: the verify rows of each request form a draft tree (``hal.tree``); its rows' depths
+    are ``tree_depths`` (a captured forward derives them once, inside the capture).
     """
     t, hq, dk = q.shape
     _, page_size, hkv, dv = v_cache.shape
@@ -324,6 +349,8 @@ def paged_attention(
         part_ml = torch.empty((t, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
+    if tree_mask is not None and tree_depths is None:
+        tree_depths = depths_of(tree_mask).to(torch.int32).reshape(-1)
     grid = (t // block_q + batch, hkv, num_splits)
     # The CPU interpreter patches module state while a kernel runs: one launch at a time there.
     with _INTERPRETER_LOCK if interpret else contextlib.nullcontext():
@@ -336,6 +363,8 @@ def paged_attention(
             kv_lens,
             cu_q_lens,
             sinks if sinks is not None else q,  # unused pointer when there are no sinks
+            q if tree_mask is None else tree_mask.view(torch.uint8),  # unused pointers for a chain
+            q if tree_depths is None else tree_depths,
             part_acc,
             part_ml,
             batch,
@@ -364,6 +393,7 @@ def paged_attention(
             DV_PAD=dv_pad,
             HAS_WINDOW=sliding_window is not None,
             HAS_SINKS=sinks is not None,
+            HAS_TREE=tree_mask is not None,
             DOT_FP32=interpret or q.dtype == torch.float32,
             NUM_SPLITS=num_splits,
             num_warps=8 if max(dk_pad, dv_pad) > 128 else 4,

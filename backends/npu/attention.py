@@ -1,10 +1,16 @@
-"""Paged attention on Ascend: one ``npu_fused_infer_attention_score_v2`` call per layer, TND layout.
+"""Paged attention on Ascend: one ``npu_fused_infer_attention_score_v2`` call per layer.
 
 Every forward mode goes through the same call: packed query rows (TND), cumulative query ends as
 ``actual_seq_qlen``, per-request KV lengths (including the new tokens) as ``actual_seq_kvlen``, and
 the split K/V pool viewed as ``(num_pages + 1, page_size, kv_heads * dim)`` caches with the block
 table. Full layers use the right-down causal mode (3); sliding-window layers the band mode (4)
 with ``pre_tokens = W``, ``next_tokens = 0``, which is exactly hal's window convention.
+
+A verify batch over draft trees takes an explicit mask, which TND does not accept: its requests
+(all ``N`` rows long) go as BSND ``(B, N, heads, dim)`` with ``sparse_mode=0`` and a ``(B, 1, N,
+KV_S)`` mask built on the device once per forward (tree, window and lengths in one tensor). BSND
+takes no ``learnable_sink``, so a sink layer asks for the log-sum-exp and adds the sink's term to
+the denominator itself: ``out * sigmoid(lse - sink)``.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from typing import Any
 import torch
 
 from hal.backends.npu import runtime
-from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, ForwardPlan, KVPool, LayerSpec
+from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, ForwardPlan, KVPool, LayerSpec, tree_depths
 
 INT_MAX = 2147483647
+SPARSE_EXPLICIT_MASK = 0
 SPARSE_RIGHT_DOWN_CAUSAL = 3
 SPARSE_BAND = 4
 TEMPLATE_MASK_SIZE = 2048
@@ -39,7 +46,8 @@ MAX_BATCH = 4096
 # The host-side length arguments of the FIA call, computed from the metadata in one place: the eager
 # call and a captured call's graph update both read them from here.
 _HOST_LENGTHS: Mapping[str, Callable[[AttentionMetadata], list[int]]] = {
-    "actual_seq_qlen": lambda md: list(md.cu_q_lens_cpu),  # cumulative query ends (TND)
+    # cumulative query ends (TND); per-request query lengths in a tree batch's BSND call
+    "actual_seq_qlen": lambda md: list(md.q_lens_cpu if md.tree_mask is not None else md.cu_q_lens_cpu),
     "actual_seq_kvlen": lambda md: list(md.kv_lens_cpu),  # per-request KV length (paged)
 }
 # Host parameters a captured FIA call needs refreshed on each replay, by forward mode. The query
@@ -102,12 +110,36 @@ def unsupported_reason(layer: LayerSpec, dtype: torch.dtype, page_size: int, max
     return None
 
 
+def tree_attention_mask(metadata: AttentionMetadata, key_slots: int, sliding_window: int | None) -> torch.Tensor:
+    """FIA's explicit mask ``(B, 1, N, key_slots)`` bool, True = hidden, for a verify batch over
+    draft trees: row ``i`` of request ``b`` sees the prefix and the block rows its tree names, and
+    on a window layer only keys at positions ``>= its position - W`` (positions by depth, as
+    ``hal.tree`` defines them). Device tensor ops only, so a captured forward re-derives it on replay."""
+    tree = metadata.tree_mask
+    assert tree is not None
+    batch, rows = tree.shape[0], tree.shape[1]
+    device = tree.device
+    prefix = (metadata.kv_lens.long() - rows)[:, None]  # [B, 1]
+    depth = tree_depths(tree)  # [B, N]
+    key = torch.arange(key_slots, device=device)[None, :]  # [1, K]
+    block_row = key - prefix  # [B, K]: the key's row in the verify block (< 0: the prefix)
+    in_block = (block_row >= 0) & (block_row < rows)
+    row_index = block_row.clamp(0, rows - 1)
+    sees = torch.gather(tree, 2, row_index[:, None, :].expand(batch, rows, key_slots))  # [B, N, K]
+    visible = (block_row < 0)[:, None, :] | (in_block[:, None, :] & sees)
+    if sliding_window is not None:
+        key_position = torch.where(block_row < 0, key, prefix + torch.gather(depth, 1, row_index))  # [B, K]
+        visible &= key_position[:, None, :] >= (prefix + depth - sliding_window)[:, :, None]
+    return (~visible)[:, None]
+
+
 class NpuAttention(AttentionKernelBase):
     """``AttentionKernel`` on Ascend: writes K/V by scatter, then one FIA v2 call."""
 
     # A padded graph request sees one key (slot 0 of the padding page): FIA's causal mode needs
     # q_len <= kv_len per request, so an empty padded request is not an option.
     seq_len_fill_value = 1
+    serves_trees = True
 
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
@@ -157,6 +189,8 @@ class NpuAttention(AttentionKernelBase):
         metadata = plan.metadata
         if metadata.num_tokens == 0:
             return q.new_zeros((0, layer.num_q_heads, layer.v_head_dim))
+        if metadata.tree_mask is not None:
+            return self._attend_tree(q, layer, plan, sinks)
         page_size = self.pool.spec.page_size
         k_cache = self.pool.k_buffer(layer.layer_id)
         v_cache = self.pool.v_buffer(layer.layer_id)
@@ -167,6 +201,41 @@ class NpuAttention(AttentionKernelBase):
         # FIA v2 takes no non-contiguous tensor; q is often a view of a fused qkv projection.
         out, _ = runtime.torch_npu().npu_fused_infer_attention_score_v2(q.contiguous(), k_cache, v_cache, **kwargs)
         return out  # type: ignore[no-any-return]
+
+    def _attend_tree(
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A verify batch over draft trees: one BSND call with an explicit mask (see the module doc)."""
+        metadata = plan.metadata
+        batch, rows = metadata.batch_size, metadata.q_lens_cpu[0]
+        page_size = self.pool.spec.page_size
+        table = self.block_table(layer, metadata)
+        k_cache = self.pool.k_buffer(layer.layer_id)
+        v_cache = self.pool.v_buffer(layer.layer_id)
+        k_cache = k_cache.view(k_cache.shape[0], page_size, -1)
+        v_cache = v_cache.view(v_cache.shape[0], page_size, -1)
+        mask = plan.per_layer_kind(
+            ("fia-tree-mask", layer.sliding_window, table.shape[1]),
+            lambda: tree_attention_mask(metadata, table.shape[1] * page_size, layer.sliding_window),
+        )
+        kwargs: dict[str, Any] = {
+            "atten_mask": mask,
+            "block_table": table,
+            "num_query_heads": layer.num_q_heads,
+            "num_key_value_heads": layer.num_kv_heads,
+            "softmax_scale": layer.scaling,
+            "input_layout": "BSND",
+            "sparse_mode": SPARSE_EXPLICIT_MASK,
+            "block_size": page_size,
+            "return_softmax_lse": sinks is not None,
+            **host_lengths(metadata),
+        }
+        self.record_updatable_call(layer)  # a no-op outside a graph capture
+        query = q.reshape(batch, rows, layer.num_q_heads, layer.head_dim).contiguous()
+        out, lse = runtime.torch_npu().npu_fused_infer_attention_score_v2(query, k_cache, v_cache, **kwargs)
+        if sinks is not None:  # the sink's exp(sink) joins each row's denominator exp(lse)
+            out = (out.float() * torch.sigmoid(lse.transpose(1, 2) - sinks.float().view(1, 1, -1, 1))).to(out.dtype)
+        return out.reshape(batch * rows, layer.num_q_heads, layer.v_head_dim)  # type: ignore[no-any-return]
 
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
         """The host arguments of this layer's captured FIA call, for ``metadata``."""

@@ -21,6 +21,7 @@ from hal.metadata import AttentionMetadata, build_metadata
 from hal.oracle import OracleAttention
 from hal.protocols import AttentionKernel, Backend, KVPool
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+from hal.tree import tree_depths, tree_mask_from_parents
 
 # (atol, rtol) for outputs compared to the oracle's on the same stored inputs (rounded to the
 # output dtype): about two ulps of the output dtype at magnitude 1.
@@ -47,6 +48,10 @@ class AttentionCase:
     dtype: torch.dtype = torch.float32
     hybrid: bool = False  # put the layer in the SWA sub-pool of a hybrid pool
     seed: int = 0
+    # TARGET_VERIFY over draft trees: each request's verify rows' parents (hal.tree_mask_from_parents)
+    tree_parents: tuple[tuple[int, ...], ...] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else tuple(_int_tuple(p) for p in v)
+    )
 
     def describe(self) -> str:
         """A short label of the case for reports."""
@@ -62,6 +67,9 @@ class AttentionCase:
             parts.append(f"swa{lay.sliding_window}{'-hybrid' if self.hybrid else ''}")
         if lay.has_sinks:
             parts.append("sinks")
+        if self.tree_parents is not None:
+            depth = int(tree_depths(tree_mask_from_parents(self.tree_parents)).max()) if self.q_lens[0] else 0
+            parts.append(f"tree depth {depth}")
         return " ".join(parts) + f" kv={list(self.kv_lens)} q={list(self.q_lens)}"
 
 
@@ -183,7 +191,8 @@ def prepare_case(backend: Backend, case: AttentionCase) -> tuple[PreparedCase, P
             [table.slots(r, range(n)) for r, n in enumerate(case.kv_lens)] or [torch.zeros(0, dtype=torch.int64)]
         )
         md = build_metadata(
-            case.mode, kv_lens=case.kv_lens, q_lens=case.q_lens, page_table=page_lists, out_cache_loc=loc, pool=pool
+            case.mode, kv_lens=case.kv_lens, q_lens=case.q_lens, page_table=page_lists, out_cache_loc=loc, pool=pool,
+            tree_mask=None if case.tree_parents is None else tree_mask_from_parents(case.tree_parents),
         )
         out.append(
             PreparedCase(

@@ -24,6 +24,7 @@ _LAYOUT_QUERY_DIM = {
     "BSH_NBSD": 3, "BSND_NBSD": 4, "BNSD_NBSD": 4, "TND_NTD": 3, "NTD_TND": 3,
 }  # fmt: skip
 _TND_FAMILY = ("TND", "NTD", "TND_NTD", "NTD_TND")
+_COMPUTED_LAYOUTS = ("TND", "BSND")
 _SINK_LAYOUTS = ("TND", "NTD_TND")
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
@@ -37,6 +38,7 @@ PAGED_GQA_FORBIDDEN_V_HEAD_DIM = 192
 SINK_QK_HEAD_DIMS = frozenset({64, 128, 192})
 MAX_SINK_V_HEAD_DIM = 128
 MAX_TND_BATCH = 4096
+MAX_BATCH = 65536
 MAX_GQA_RATIO = 64
 MAX_HEADS = 256
 MAX_KV_HIDDEN = 65535
@@ -70,7 +72,9 @@ _FIA_SCHEMA = (
 class FiaPlan:
     """What a validated FIA v2 call computes (TND, paged KV)."""
 
-    q_starts: tuple[int, ...]  # per request, into the query's T axis
+    layout: str  # "TND" or "BSND"
+    query_s: int  # BSND: the query's S axis (TND: the longest request)
+    q_starts: tuple[int, ...] | None  # TND: per request, into the query's T axis
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
     num_q_heads: int
@@ -110,6 +114,48 @@ def _int_list(name: str, value: Any) -> list[int]:
             fail(f"{name} must be a list of ints or a 1-D tensor, got a {value.dim()}-D tensor")
         return [int(x) for x in value.tolist()]
     return [int(x) for x in value]
+
+
+def _per_batch(name: str, value: Any, batch: int, limit: int | None) -> list[int]:
+    """Non-TND per-batch lengths: one entry (broadcast) or at least B (the first B used), each in
+    ``0..limit`` (the tensor's S, when there is one)."""
+    lengths = _int_list(name, value)
+    if len(lengths) == 1:
+        lengths = lengths * batch
+    elif len(lengths) < batch:
+        fail(f"{name} has {len(lengths)} entries: non-TND lengths need 1 or at least B={batch}")
+    lengths = lengths[:batch]
+    if any(x < 0 for x in lengths):
+        fail(f"{name} must not contain negative values, got {lengths}")
+    if limit is not None and any(x > limit for x in lengths):
+        fail(f"{name} entries must be <= the tensor's S={limit}, got {lengths}")
+    return lengths
+
+
+def _check_explicit_mask(
+    mask: torch.Tensor, batch: int, query_s: int, table_width: int, block_size: int, kv_lens: list[int], *, single_row: bool
+) -> None:
+    """An explicit mask (sparse_mode 0/1, or any mode with a one-row query outside TND): shape
+    (B or 1, Q_S, KV_S) or (B or 1, 1, Q_S, KV_S) (with one query row also (B, KV_S)), KV_S at least
+    maxBlockNumPerSeq * block_size with paged attention."""
+    shape = tuple(mask.shape)
+    if mask.dim() == 2 and not single_row:
+        fail(f"a 2-D atten_mask (Q_S, KV_S) is accepted on 910B only; give (B or 1, Q_S, KV_S) or "
+             f"(B or 1, 1, Q_S, KV_S), got {shape}")
+    if mask.dim() == 2:
+        rows, batch_dim, heads = 1, shape[0], 1
+    elif mask.dim() == 3:
+        batch_dim, rows, heads = shape[0], shape[1], 1
+    else:
+        batch_dim, heads, rows = shape[0], shape[1], shape[2]
+    if batch_dim not in (1, batch) or heads != 1:
+        fail(f"atten_mask of shape {shape}: its batch dim must be 1 or B={batch} and its head dim 1")
+    if rows < query_s:
+        fail(f"atten_mask of shape {shape}: its query dim must be >= Q_S={query_s}")
+    need = max(-(-n // block_size) for n in kv_lens) * block_size
+    if shape[-1] < need:
+        fail(f"atten_mask of shape {shape}: with Page Attention its last dim must be >= maxBlockNumPerSeq * "
+             f"block_size = {need}")
 
 
 def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> FiaPlan:
@@ -173,7 +219,9 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
             fail(f"atten_mask dtype must be bool, int8 or uint8, got {mask.dtype}")
         if mask.dim() not in (2, 3, 4):
             fail(f"atten_mask must be 2-, 3- or 4-D, got shape {tuple(mask.shape)}")
-        if sparse_mode in (2, 3, 4):
+        # a one-row query outside TND takes its mask as is, whatever the mode
+        one_row = layout == "BSND" and query.dim() == 4 and query.shape[1] == 1
+        if sparse_mode in (2, 3, 4) and not one_row:
             ok = tuple(mask.shape) in (
                 (TEMPLATE_MASK_SIZE,) * 2, (1, *(TEMPLATE_MASK_SIZE,) * 2), (1, 1, *(TEMPLATE_MASK_SIZE,) * 2)
             )  # fmt: skip
@@ -203,39 +251,55 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
         if inner_precise != 0:
             fail(f"learnable_sink needs inner_precise=0 (high precision), got {inner_precise}")
 
-    if layout != "TND":
-        raise NotImplementedError(f"the torch_npu emulator computes input_layout='TND' only, got {layout!r}")
-    if query.shape[1] != n_q:
-        fail(f"TND query has {query.shape[1]} heads but num_query_heads={n_q}")
-    t, d = query.shape[0], query.shape[2]
-
-    if kw.get("actual_seq_qlen") is None:
-        fail("input_layout TND requires actual_seq_qlen (cumulative query end offsets)")
-    q_cum = _int_list("actual_seq_qlen", kw["actual_seq_qlen"])
-    b = len(q_cum)
-    if b == 0 or b > MAX_TND_BATCH:
-        fail(f"TND actual_seq_qlen must have 1..{MAX_TND_BATCH} entries, got {b}")
-    if any(x < 0 for x in q_cum):
-        fail(f"actual_seq_qlen must not contain negative values, got {q_cum}")
-    if any(later < earlier for earlier, later in itertools.pairwise(q_cum)):
-        fail(
-            f"TND actual_seq_qlen must be cumulative (non-decreasing prefix-sum end offsets), got {q_cum}; "
-            "per-request lengths are not accepted in TND"
-        )
-    if q_cum[-1] != t:
-        fail(f"TND actual_seq_qlen[-1]={q_cum[-1]} must equal the query's T={t} (sum of query lengths)")
-    q_starts = (0, *q_cum[:-1])
-    q_lens = tuple(e - s for s, e in zip(q_starts, q_cum))
+    if layout not in _COMPUTED_LAYOUTS:
+        raise NotImplementedError(f"the torch_npu emulator computes input_layout {_COMPUTED_LAYOUTS} only, got {layout!r}")
+    if layout == "TND":
+        if query.shape[1] != n_q:
+            fail(f"TND query has {query.shape[1]} heads but num_query_heads={n_q}")
+        t, d = query.shape[0], query.shape[2]
+        if kw.get("actual_seq_qlen") is None:
+            fail("input_layout TND requires actual_seq_qlen (cumulative query end offsets)")
+        q_cum = _int_list("actual_seq_qlen", kw["actual_seq_qlen"])
+        b = len(q_cum)
+        if b == 0 or b > MAX_TND_BATCH:
+            fail(f"TND actual_seq_qlen must have 1..{MAX_TND_BATCH} entries, got {b}")
+        if any(x < 0 for x in q_cum):
+            fail(f"actual_seq_qlen must not contain negative values, got {q_cum}")
+        if any(later < earlier for earlier, later in itertools.pairwise(q_cum)):
+            fail(
+                f"TND actual_seq_qlen must be cumulative (non-decreasing prefix-sum end offsets), got {q_cum}; "
+                "per-request lengths are not accepted in TND"
+            )
+        if q_cum[-1] != t:
+            fail(f"TND actual_seq_qlen[-1]={q_cum[-1]} must equal the query's T={t} (sum of query lengths)")
+        starts = (0, *q_cum[:-1])
+        q_lens = tuple(e - s for s, e in zip(starts, q_cum))
+        q_starts: tuple[int, ...] | None = starts
+        query_s = max(q_lens)
+    else:  # BSND: (B, S, N_q, D), per-batch lengths
+        b, query_s, heads, d = query.shape
+        if heads != n_q:
+            fail(f"BSND query has {heads} heads but num_query_heads={n_q}")
+        if b == 0 or b > MAX_BATCH:
+            fail(f"BSND query batch must be in 1..{MAX_BATCH}, got {b}")
+        q_starts = None
+        if query_s == 1 or kw.get("actual_seq_qlen") is None:  # Q_S == 1: actual_seq_qlen is ignored
+            q_lens = (query_s,) * b
+        else:
+            q_lens = tuple(_per_batch("actual_seq_qlen", kw["actual_seq_qlen"], b, query_s))
 
     if not paged:
         raise NotImplementedError("the torch_npu emulator computes paged attention (block_table given) only")
     if kw.get("actual_seq_kvlen") is None:
         fail("Page Attention requires actual_seq_kvlen (per-request KV lengths)")
-    kv_lens = _int_list("actual_seq_kvlen", kw["actual_seq_kvlen"])
-    if len(kv_lens) != b:
-        fail(f"actual_seq_kvlen has {len(kv_lens)} entries, actual_seq_qlen defines B={b}")
-    if any(x < 0 for x in kv_lens):
-        fail(f"actual_seq_kvlen must not contain negative values, got {kv_lens}")
+    if layout == "TND":
+        kv_lens = _int_list("actual_seq_kvlen", kw["actual_seq_kvlen"])
+        if len(kv_lens) != b:
+            fail(f"actual_seq_kvlen has {len(kv_lens)} entries, actual_seq_qlen defines B={b}")
+        if any(x < 0 for x in kv_lens):
+            fail(f"actual_seq_kvlen must not contain negative values, got {kv_lens}")
+    else:
+        kv_lens = _per_batch("actual_seq_kvlen", kw["actual_seq_kvlen"], b, None)
     assert block_table is not None
     if block_table.dtype != torch.int32:
         fail(f"block_table must be int32, got {block_table.dtype}")
@@ -290,8 +354,10 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
     if n_kv * d > MAX_KV_HIDDEN:
         fail(f"N_kv * D = {n_kv * d} exceeds {MAX_KV_HIDDEN}")
     if (d, dv) not in TND_HEAD_DIMS:
+        # Documented for TND; BSND is held to the same pairs (the strict side: its paged limits for qk != v
+        # are not documented beyond them).
         fail(
-            f"TND without rope needs (qk, v) head dims in {sorted(TND_HEAD_DIMS)}, got ({d}, {dv})"
+            f"{layout} without rope needs (qk, v) head dims in {sorted(TND_HEAD_DIMS)}, got ({d}, {dv})"
         )
     if sink is not None:
         if d not in SINK_QK_HEAD_DIMS:
@@ -301,9 +367,16 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
     if dv == PAGED_GQA_FORBIDDEN_V_HEAD_DIM:
         # Documented ("GQA and PA do not support V_D = 192"), not confirmed on hardware: refused, the strict side.
         fail(f"paged attention (GQA/PA) does not support a v head dim of {dv}")
-    if sparse_mode in (1, 2) or (sparse_mode == 0 and mask is not None):
+    if layout == "TND" and (sparse_mode in (1, 2) or (sparse_mode == 0 and mask is not None)):
         fail(f"input_layout TND supports sparse_mode 0 (no mask), 3 or 4, got {sparse_mode} (mask given: {mask is not None})")
-    if sparse_mode == 3:
+    if layout != "TND" and query_s == 1:
+        if inner_precise not in (0, 1):
+            fail(f"inner_precise must be 0 or 1 when the query length is 1, got {inner_precise}")
+        if mask is not None:  # applied as is; sparse_mode, pre_tokens and next_tokens are ignored
+            _check_explicit_mask(mask, b, 1, block_table.shape[1], block_size, kv_lens, single_row=True)
+    elif sparse_mode in (0, 1) and mask is not None:
+        _check_explicit_mask(mask, b, query_s, block_table.shape[1], block_size, kv_lens, single_row=False)
+    if sparse_mode == 3 and layout == "TND":
         bad = [i for i, (q, kv) in enumerate(zip(q_lens, kv_lens)) if q > kv]
         if bad:
             i = bad[0]
@@ -312,6 +385,8 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
                 f"request {i} has {q_lens[i]} query tokens and kv length {kv_lens[i]}"
             )
     return FiaPlan(
+        layout=layout,
+        query_s=query_s,
         q_starts=q_starts,
         q_lens=q_lens,
         kv_lens=tuple(kv_lens),
@@ -329,10 +404,20 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
     )
 
 
-def _allowed_keys(plan: FiaPlan, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] True where query row i attends key j (bottom-right origin per request)."""
+def _allowed_keys(plan: FiaPlan, q_len: int, kv_len: int, mask: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] True where query row i attends key j of batch ``b``: modes 3/4 from the lengths
+    (bottom-right origin per request); an explicit mask (True/1 = masked) in modes 0/1, and as is
+    for a one-row query outside TND, where the mode is ignored."""
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)[None, :]
+    if mask is not None and (plan.sparse_mode in (0, 1) or (plan.layout != "TND" and plan.query_s == 1)):
+        plane = mask.reshape(mask.shape[0], -1, mask.shape[-1])[min(b, mask.shape[0] - 1)]  # (Q_S, KV_S)
+        allowed = plane[:q_len, :kv_len] == 0
+        if plan.sparse_mode == 0 and not (plan.layout != "TND" and plan.query_s == 1):
+            allowed = allowed & (j >= i - plan.pre_tokens) & (j <= i + plan.next_tokens)  # band, top-left origin
+        return allowed
+    if plan.layout != "TND" and plan.query_s == 1:
+        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     diag = i + (kv_len - q_len)
     if plan.sparse_mode == 3:
         return j <= diag
@@ -348,20 +433,24 @@ def fia_v2_reference(
     value: torch.Tensor,
     block_table: torch.Tensor,
     learnable_sink: torch.Tensor | None,
+    atten_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CANN golden for one validated call: per request, fp32 math, output in the query dtype."""
-    t = query.shape[0]
+    """The CANN golden for one validated call: per request, fp32 math, output in the query dtype
+    (TND rows packed; BSND rows past a batch's actual length stay 0)."""
     n_q, n_kv, d, dv, bs = plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.v_head_dim, plan.block_size
     group = n_q // n_kv
-    out = torch.zeros((t, n_q, dv), dtype=query.dtype, device=query.device)
-    lse = torch.full((t, n_q, 1), math.inf, dtype=torch.float32, device=query.device)
+    # Work on packed rows: BSND's (B, S) flattened, request b's rows starting at b * S.
+    rows = query.reshape(-1, n_q, d)
+    starts = plan.q_starts if plan.q_starts is not None else tuple(b * plan.query_s for b in range(len(plan.q_lens)))
+    out = torch.zeros((rows.shape[0], n_q, dv), dtype=query.dtype, device=query.device)
+    lse = torch.full((rows.shape[0], n_q, 1), math.inf, dtype=torch.float32, device=query.device)
     if plan.cache_4d:
         k_cache, v_cache = key.transpose(1, 2), value.transpose(1, 2)  # -> (blocks, bs, N_kv, D)
     else:
         k_cache = key.reshape(key.shape[0], bs, n_kv, d)
         v_cache = value.reshape(value.shape[0], bs, n_kv, dv)
     sink = None if learnable_sink is None else learnable_sink.float()
-    for b, (start, q_len, kv_len) in enumerate(zip(plan.q_starts, plan.q_lens, plan.kv_lens)):
+    for b, (start, q_len, kv_len) in enumerate(zip(starts, plan.q_lens, plan.kv_lens)):
         if q_len == 0 or kv_len == 0:
             continue  # no query rows, or no keys: output stays 0
         n_blocks = -(-kv_len // bs)
@@ -370,9 +459,9 @@ def fia_v2_reference(
         values = v_cache[blocks].reshape(n_blocks * bs, n_kv, dv)[:kv_len].float()
         keys = keys.repeat_interleave(group, dim=1)  # query head h uses kv head h // group
         values = values.repeat_interleave(group, dim=1)
-        q = query[start : start + q_len].float()
+        q = rows[start : start + q_len].float()
         scores = torch.einsum("qhd,khd->hqk", q, keys) * plan.softmax_scale
-        allowed = _allowed_keys(plan, q_len, kv_len, query.device)
+        allowed = _allowed_keys(plan, q_len, kv_len, atten_mask, b, query.device)
         scores = scores.masked_fill(~allowed, -math.inf)
         if sink is not None:  # one extra, unscaled logit per head: only enlarges the denominator
             scores = torch.cat([scores, sink.view(n_q, 1, 1).expand(n_q, q_len, 1)], dim=-1)
@@ -386,6 +475,10 @@ def fia_v2_reference(
         out[start : start + q_len] = ctx.to(query.dtype)
         row_lse = torch.where(dead, torch.full_like(denom, math.inf), row_max + torch.log(denom))
         lse[start : start + q_len] = row_lse.permute(1, 0, 2)
+    if plan.layout == "BSND":
+        batch = len(plan.q_lens)
+        out = out.view(batch, plan.query_s, n_q, dv)
+        lse = lse.view(batch, plan.query_s, n_q, 1).transpose(1, 2)  # (B, N_q, Q_S, 1)
     if not plan.return_softmax_lse:
         lse = torch.empty(0, dtype=torch.float32, device=query.device)
     return out, lse
@@ -393,7 +486,7 @@ def fia_v2_reference(
 
 def _fia_v2_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
     plan = check_fia_v2(query, key, value, **kw)
-    return fia_v2_reference(plan, query, key, value, kw["block_table"], kw.get("learnable_sink"))
+    return fia_v2_reference(plan, query, key, value, kw["block_table"], kw.get("learnable_sink"), kw.get("atten_mask"))
 
 
 _OP_NAMESPACE = "hal_npu_emulator"

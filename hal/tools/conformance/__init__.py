@@ -43,7 +43,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hal.tools.conformance.attention_checks import ATTENTION_PROFILES, attention_cases, attention_check, unseen_slot_cases
+from hal.tools.conformance.attention_checks import (
+    ATTENTION_PROFILES,
+    attention_cases,
+    attention_check,
+    tree_cases,
+    unseen_slot_cases,
+)
 from hal.tools.conformance.error_checks import error_checks
 from hal.tools.conformance.framework import (
     Check,
@@ -66,6 +72,7 @@ def build_suite(*, quick: bool = False, select: Sequence[str] = ()) -> list[Chec
     checks = (
         pool_checks()
         + [attention_check(c) for c in attention_cases(quick)]
+        + [attention_check(c) for c in tree_cases(quick)]
         + [attention_check(c, poison_unseen=True) for c in unseen_slot_cases()]
         + graph_checks(quick)
         + error_checks()
@@ -93,4 +100,5 @@ __all__ = [
     "run_check",
     "run_suite",
     "summarize",
+    "tree_cases",
 ]

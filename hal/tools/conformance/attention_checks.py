@@ -3,6 +3,7 @@ sizes and dtypes, each against the oracle on identical pool contents."""
 
 from __future__ import annotations
 
+import random
 
 import attrs
 import torch
@@ -76,9 +77,56 @@ def attention_cases(quick: bool = False) -> list[AttentionCase]:
     return cases
 
 
+# Draft trees of the tree-verify cases: depth 1-6, widths 1-8 per level (N up to 1 + 6 * 8 rows),
+# levels kept small enough that the Triton interpreter runs them in seconds.
+TREE_DEPTHS = (1, 2, 3, 4, 5, 6)
+MAX_TREE_WIDTH = 8
+MAX_TREE_ROWS = 24
+
+
+def random_tree_parents(rng: random.Random, depth: int, widths: tuple[int, ...]) -> tuple[int, ...]:
+    """Parents of one verify block (``hal.tree_mask_from_parents``): a root, then ``widths[d]`` rows
+    at depth ``d + 1``, level after level, each hanging from a random row of the level above."""
+    parents, level = [-1], [0]
+    for d in range(depth):
+        below = []
+        for _ in range(widths[d]):
+            below.append(len(parents))
+            parents.append(rng.choice(level))
+        level = below
+    return tuple(parents)
+
+
+def tree_cases(quick: bool = False) -> list[AttentionCase]:
+    """TARGET_VERIFY over random draft trees (every request its own tree of one shape), on every
+    profile and variant: a long prefix crossing pages, a short one, none. A window of 3 positions
+    hides the upper levels from deep rows, so positions must follow depth."""
+    rng = random.Random(20261205)
+    cases: list[AttentionCase] = []
+    profiles = QUICK_PROFILES if quick else ATTENTION_PROFILES
+    for pi, prof in enumerate(profiles):
+        variants = [VARIANTS[pi % len(VARIANTS)]] if quick else list(VARIANTS)
+        for variant in variants:
+            depth = TREE_DEPTHS[(len(cases) * 5 + pi) % len(TREE_DEPTHS)]
+            widths = tuple(rng.randint(1, MAX_TREE_WIDTH) for _ in range(depth))
+            while 1 + sum(widths) > MAX_TREE_ROWS:
+                widths = tuple(max(1, w // 2) for w in widths)
+            parents = tuple(random_tree_parents(rng, depth, widths) for _ in range(3))
+            n = len(parents[0])
+            window = {"window": 3, "hybrid window + sinks": 3}.get(variant)
+            layer = LayerSpec(0, prof.q_heads, prof.kv_heads, prof.head_dim, prof.v_head_dim,
+                              scaling=prof.head_dim**-0.5, sliding_window=window, has_sinks="sinks" in variant)
+            kv = (2 * prof.page_size + n + 3, n + 2, n)
+            cases.append(AttentionCase(ForwardMode.TARGET_VERIFY, layer, kv, (n,) * 3, prof.page_size, prof.dtype,
+                                       variant.startswith("hybrid"), 7000 + len(cases), tree_parents=parents))
+    return cases
+
+
 def _case_features(case: AttentionCase) -> tuple[str, ...]:
     lay = case.layer
     features = [f"attention: {case.mode.name}"]
+    if case.tree_parents is not None:
+        features.append("attention: tree verify")
     if lay.sliding_window is not None:
         features.append("attention: sliding window")
     if lay.has_sinks:
@@ -111,5 +159,5 @@ def attention_check(case: AttentionCase, *, poison_unseen: bool = False) -> Chec
 
 def unseen_slot_cases() -> list[AttentionCase]:
     """Every mode with and without a window and sinks, pages partly filled (a tail no row sees) and
-    requests of unequal lengths: the quick suite's cases."""
-    return attention_cases(quick=True)
+    requests of unequal lengths: the quick suite's cases, trees included."""
+    return attention_cases(quick=True) + tree_cases(quick=True)

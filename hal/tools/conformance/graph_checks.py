@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import random
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -18,6 +19,7 @@ from hal.metadata import AttentionMetadata, build_metadata
 from hal.oracle import OracleAttention
 from hal.protocols import AttentionKernel, Backend
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+from hal.tree import tree_mask_from_parents
 from hal.tools.testing import kv_rows, read_kv
 from hal.tools.conformance.framework import Check, ConformanceFailure, assert_close, assert_only_rows_changed, expect_error, fail, host, randn, seeded, snapshot
 
@@ -46,6 +48,7 @@ class LoopConfig:
     schedule: tuple[int, ...]  # live requests per iteration
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     seed: int = 0
+    tree_verify: bool = False  # verify each iteration's drafts as random trees (a new tree per request and step)
 
     @property
     def tokens_per_request(self) -> int:
@@ -214,6 +217,7 @@ class _LoopWorld:
             max_pages_per_request=self.max_pages,
             inputs=inputs,
             replay_captured=True,
+            trees=self.cfg.tree_verify and mode is ForwardMode.TARGET_VERIFY,
         )
 
     def _run(
@@ -246,10 +250,17 @@ class _LoopWorld:
             f"v{i}": randn((rows, layer.num_kv_heads, layer.v_head_dim), dt, self.cfg, "v", i, *tag).to(self.device),
         }
 
-    def _metadata(self, mode: ForwardMode, batch: Sequence[int], q_len: int, kv_lens: Sequence[int]) -> AttentionMetadata:
+    def _metadata(
+        self, mode: ForwardMode, batch: Sequence[int], q_len: int, kv_lens: Sequence[int], iteration: int = 0
+    ) -> AttentionMetadata:
         loc = torch.cat([self.table.slots(r, range(n - q_len, n)) for r, n in zip(batch, kv_lens)])
+        tree = None
+        if self.cfg.tree_verify and mode is ForwardMode.TARGET_VERIFY:
+            rng = random.Random(zlib.crc32(repr((self.cfg, "tree", iteration)).encode()))
+            tree = tree_mask_from_parents([[-1] + [rng.randrange(i) for i in range(1, q_len)] for _ in batch])
         return build_metadata(
-            mode, kv_lens=kv_lens, q_lens=[q_len] * len(batch), page_table=self.table.table(batch), out_cache_loc=loc, pool=self.pool
+            mode, kv_lens=kv_lens, q_lens=[q_len] * len(batch), page_table=self.table.table(batch), out_cache_loc=loc,
+            pool=self.pool, tree_mask=tree,
         )
 
     # -- the loop -----------------------------------------------------------------------------
@@ -274,7 +285,7 @@ class _LoopWorld:
                 self.table.reserve(r, n)
             rows = len(batch) * tpr
             mode = cfg.verify_mode
-            md = self._metadata(mode, batch, tpr, kv_lens)
+            md = self._metadata(mode, batch, tpr, kv_lens, it_no)
             inputs: dict[str, torch.Tensor] = {}
             for lay in cfg.target_layers():
                 inputs |= self._qkv(lay, rows, "verify", it_no)
@@ -349,6 +360,9 @@ def loop_configs(quick: bool = False) -> list[LoopConfig]:
         decode_plan, mtp_plan = plans[key]
         out.append(LoopConfig(f"decode [{shape_label}]", draft_steps=0, schedule=decode_plan, **shape))  # type: ignore[arg-type]
         out.append(LoopConfig(f"MTP S=3 [{shape_label}]", draft_steps=3, schedule=mtp_plan, **shape))  # type: ignore[arg-type]
+    # Tree verify: 5 verify rows per request in a new random tree every iteration.
+    out.append(LoopConfig("tree verify S=4 [bf16 d192/128 ps128]", draft_steps=4, schedule=plans["mimo"][1], tree_verify=True,
+                          **mimo))  # type: ignore[arg-type]
     return out
 
 
@@ -356,7 +370,9 @@ def graph_checks(quick: bool) -> list[Check]:
     checks = []
     for cfg in loop_configs(quick):
         features: tuple[str, ...]
-        if cfg.draft_steps:
+        if cfg.tree_verify:
+            features = ("graph: TARGET_VERIFY tree replay",)
+        elif cfg.draft_steps:
             features = ("graph: TARGET_VERIFY replay", "graph: DRAFT_EXTEND_V2 replay (every draft step)")
         else:
             features = ("graph: DECODE replay",)

@@ -18,7 +18,9 @@ from hal.backends.cpu.paged_attention import paged_attention
 from hal.oracle import dense_attention
 from hal.metadata import build_metadata
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
-from hal.tools.testing import TOLERANCE
+from hal.tools.conformance import tree_cases
+from hal.tools.testing import TOLERANCE, run_attention_case
+from hal.tree import tree_mask_from_parents
 
 M = ForwardMode
 EXPENSIVE = settings.get_profile("hal-expensive")
@@ -26,9 +28,10 @@ EXPENSIVE = settings.get_profile("hal-expensive")
 
 def dense_oracle(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int], layer: LayerSpec,
-    sinks: torch.Tensor | None,
+    sinks: torch.Tensor | None, trees: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return dense_attention(q, keys, values, q_lens, scaling=layer.scaling, sliding_window=layer.sliding_window, sinks=sinks)
+    return dense_attention(q, keys, values, q_lens, scaling=layer.scaling, sliding_window=layer.sliding_window, sinks=sinks,
+                           trees=None if trees is None else list(trees))
 
 
 def run_cpu_kernel(
@@ -44,6 +47,7 @@ def run_cpu_kernel(
     save_kv_cache: bool = True,
     contiguous: bool = False,
     reserved_pages: int | None = None,
+    tree_parents: list[list[int]] | None = None,
 ):
     """Run CpuAttention on a NaN/inf-filled pool holding per-request dense K/V; return (out, oracle).
     Pages are handed out in a shuffled order, or in order (``contiguous``: each request's pages,
@@ -93,7 +97,8 @@ def run_cpu_kernel(
     v_new = torch.cat([values[b][n - ql :] for b, (n, ql) in enumerate(zip(kv_lens, q_lens))])
     q = torch.randn(sum(q_lens), layer.num_q_heads, dk, generator=gen).to(dtype)
     sinks = torch.randn(layer.num_q_heads, generator=gen) * 2 if layer.has_sinks else None
-    md = build_metadata(mode, kv_lens=kv_lens, q_lens=q_lens, page_table=rows, out_cache_loc=new_loc, pool=pool)
+    trees = None if tree_parents is None else tree_mask_from_parents(tree_parents)
+    md = build_metadata(mode, kv_lens=kv_lens, q_lens=q_lens, page_table=rows, out_cache_loc=new_loc, pool=pool, tree_mask=trees)
     before = [t.clone() for pair in pool.sub_pool_buffers().values() for t in pair]
     attn = backend.create_attention(pool)
     out = attn.forward(q, k_new, v_new, layer, attn.plan(md), save_kv_cache=save_kv_cache, sinks=sinks)
@@ -107,7 +112,7 @@ def run_cpu_kernel(
         after = [t for pair in pool.sub_pool_buffers().values() for t in pair]
         same = all(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(after, before))
         assert same, "save_kv_cache=False wrote the cache"
-    return out, dense_oracle(q, keys, values, q_lens, layer, sinks)
+    return out, dense_oracle(q, keys, values, q_lens, layer, sinks, trees)
 
 
 def assert_close(out: torch.Tensor, expect: torch.Tensor, dtype: torch.dtype) -> None:
@@ -473,3 +478,35 @@ def test_a_gathered_decode_step_where_every_row_sees_every_key_carries_no_mask()
         keys = [k_cache[table[b, :n]].reshape(n, hkv, dk) for b, n in enumerate(kv_lens)]
         values = [v_cache[table[b, :n]].reshape(n, hkv, dk) for b, n in enumerate(kv_lens)]
         assert torch.allclose(out, dense_attention(q, keys, values, [1] * 4, scaling=0.3).float(), atol=1e-5)
+
+
+TREES = tree_cases()
+
+
+@pytest.mark.parametrize("case", TREES, ids=lambda c: c.describe())
+@pytest.mark.parametrize("one_request_per_chunk", [False, True])
+def test_tree_verify_matches_the_oracle(case, one_request_per_chunk, monkeypatch) -> None:
+    """A verify block over a draft tree is one tile whose mask follows the tree, gathered in groups
+    or one request per group; NaN/inf in the slots no row sees stay out."""
+    if one_request_per_chunk:
+        monkeypatch.setattr(cpu_kernel, "GATHER_CHUNK_BYTES", 1)
+    result = run_attention_case(CpuBackend(), case)
+    assert result.passed, result.detail
+    assert run_attention_case(CpuBackend(), case, poison_unseen=True).passed
+
+
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (2, True, False), (3, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_dim", [8, 12])
+def test_tree_verify_on_consecutive_pages_is_read_in_place_and_matches_the_oracle(window, sinks, hybrid, dtype, v_dim,
+                                                                                   monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernel, "VIEW_MIN_TILE_BYTES", 0)
+    in_place = []
+    original = cpu_kernel._attend_in_place
+    monkeypatch.setattr(cpu_kernel, "_attend_in_place", lambda *a: in_place.append(a[3].tiles) or original(*a))
+    layer = LayerSpec(1, 4, 2, 8, v_dim, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
+    parents = [[-1, 0, 0, 1, 2, 4], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 0]]
+    out, expect = run_cpu_kernel(M.TARGET_VERIFY, layer, [19, 6, 11], [6] * 3, page_size=4, dtype=dtype, seed=5,
+                                 hybrid=hybrid, contiguous=True, tree_parents=parents)
+    assert_close(out, expect, dtype)
+    assert in_place

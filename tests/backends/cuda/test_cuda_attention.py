@@ -18,6 +18,7 @@ from hal.errors import KVLayoutError, SpecError, UnsupportedConfigError
 from hal.metadata import build_metadata
 from hal.tools.testing import AttentionCase, prepare_case, run_attention_case, standard_attention_cases
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
+from hal.tools.conformance import tree_cases
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -89,6 +90,15 @@ def test_case_matrix_covers_every_mode_and_feature() -> None:
 @pytest.mark.parametrize("case", STANDARD + EDGE, ids=lambda c: c.describe())
 def test_matches_cpu_reference(cuda: hal.Backend, case: AttentionCase) -> None:
     result = run_attention_case(cuda, case)  # compares the output and the K/V written to the pool
+    assert result.passed, result.detail
+
+
+TREES = tree_cases(quick=True)
+
+
+@pytest.mark.parametrize("case", TREES, ids=lambda c: c.describe())
+def test_tree_verify_matches_the_oracle(cuda: hal.Backend, case: AttentionCase) -> None:
+    result = run_attention_case(cuda, case)
     assert result.passed, result.detail
 
 

@@ -32,7 +32,9 @@ from hal import (
 )
 from hal.errors import BackendUnavailableError, CacheLocationError, GraphError, SpecError, UnsupportedConfigError
 from hal.graph import GraphUpdate, is_capturing
+from hal.tools.conformance import tree_cases
 from hal.tools.testing import AttentionCase, prepare_case, run_attention_case, standard_attention_cases
+from hal.tree import tree_mask_from_parents
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -126,6 +128,16 @@ CASES = conformance_cases()
 def test_attention_matches_the_cpu_reference(npu: NpuBackend, case: AttentionCase) -> None:
     result = run_attention_case(npu, case)
     assert result.passed, result.detail
+
+
+FIA_TREE_CASES = [c for c in tree_cases() if c.dtype != torch.float32 and c.layer.head_dim in (128, 192)]
+
+
+@pytest.mark.parametrize("case", FIA_TREE_CASES, ids=[c.describe() for c in FIA_TREE_CASES])
+def test_tree_verify_matches_the_oracle_through_an_explicit_mask(npu: NpuBackend, case: AttentionCase) -> None:
+    result = run_attention_case(npu, case)
+    assert result.passed, result.detail
+    assert run_attention_case(npu, case, poison_unseen=True).passed
 
 
 def test_conformance_cases_cover_every_mode_and_feature() -> None:
@@ -277,28 +289,44 @@ class TwoLayerForward:
         b = attn.forward(x["q1"], x["k1"], x["v1"], self.swa, attn.plan(md), sinks=self.sinks)
         return torch.cat([a, b], dim=-1)
 
-    def batch(self, mode: ForwardMode, kv_lens: dict[int, int]) -> tuple[dict[str, torch.Tensor], hal.AttentionMetadata]:
+    def batch(
+        self, mode: ForwardMode, kv_lens: dict[int, int], trees: bool = False
+    ) -> tuple[dict[str, torch.Tensor], hal.AttentionMetadata]:
         tpr = TPR[mode]
         reqs = list(kv_lens)
         for r in reqs:
             self.table.reserve(r, kv_lens[r])
         loc = torch.cat([self.table.slots(r, range(kv_lens[r] - tpr, kv_lens[r])) for r in reqs])
+        parents = [[-1] + [int(torch.randint(0, i, (1,), generator=self.gen)) for i in range(1, tpr)] for _ in reqs]
         md = build_metadata(
             mode, kv_lens=[kv_lens[r] for r in reqs], q_lens=[tpr] * len(reqs), page_table=self.table.table(reqs),
-            out_cache_loc=loc, pool=self.pool,
+            out_cache_loc=loc, pool=self.pool, tree_mask=tree_mask_from_parents(parents) if trees else None,
         )  # fmt: skip
         t = tpr * len(reqs)
         x = {n: torch.randn(t, *shape, generator=self.gen).to(dtype) for n, (shape, dtype) in self.inputs.items()}
         return x, md
 
 
-def runner_for(npu: NpuBackend, model: TwoLayerForward, mode: ForwardMode) -> GraphRunner:
+def runner_for(npu: NpuBackend, model: TwoLayerForward, mode: ForwardMode, trees: bool = False) -> GraphRunner:
     runner = GraphRunner(
         npu, model, attention=model.attn, mode=mode, tokens_per_request=TPR[mode], batch_sizes=[1, 2, 4],
-        max_pages_per_request=8, inputs=model.inputs,
+        max_pages_per_request=8, inputs=model.inputs, trees=trees,
     )  # fmt: skip
     runner.capture()
     return runner
+
+
+def recorded_updates(monkeypatch: pytest.MonkeyPatch) -> list[list[dict[str, Any]]]:
+    """Every ``NPUGraph.update`` input from now on, in order (the update still applies)."""
+    updates: list[list[dict[str, Any]]] = []
+    real_update = emulator.NPUGraph.update
+
+    def spy(self: Any, cpu_update_input: Any) -> None:
+        updates.append(cpu_update_input)
+        real_update(self, cpu_update_input)
+
+    monkeypatch.setattr(emulator.NPUGraph, "update", spy)
+    return updates
 
 
 SCHEDULE = [{0: 9, 1: 30}, {0: 12, 1: 33, 2: 5, 3: 17}, {2: 40}, {0: 15, 1: 36, 2: 43}, {0: 70, 1: 39, 2: 46, 3: 20, 4: 8}]
@@ -310,14 +338,7 @@ def test_graph_runner_replays_match_eager_with_changing_kv_lens(
 ) -> None:
     model = TwoLayerForward(npu)
     runner = runner_for(npu, model, mode)
-    updates: list[list[dict[str, Any]]] = []
-    real_update = emulator.NPUGraph.update
-
-    def spy(self: Any, cpu_update_input: Any) -> None:
-        updates.append(cpu_update_input)
-        real_update(self, cpu_update_input)
-
-    monkeypatch.setattr(emulator.NPUGraph, "update", spy)
+    updates = recorded_updates(monkeypatch)
     for lens in SCHEDULE:  # batches 2, 4, 1, 3 replay graphs 2, 4, 1, 4; 5 runs eagerly
         x, md = model.batch(mode, lens)
         out = runner.run(x, md).clone()
@@ -331,6 +352,27 @@ def test_graph_runner_replays_match_eager_with_changing_kv_lens(
     assert len(last) == 2 and last[0] == last[1]
     assert last[0]["actual_seq_kvlen"] == [15, 36, 43, TPR[mode]]
     assert last[0]["actual_seq_qlen"] == [TPR[mode] * (i + 1) for i in range(4)]
+
+
+def test_graph_runner_replays_tree_batches_match_eager_with_changing_trees(
+    npu: NpuBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify batches over draft trees: each replay takes its batch's trees into the captured mask
+    tensor (the FIA mask is re-derived inside the graph) and its lengths through the update (BSND:
+    per-request query lengths)."""
+    model = TwoLayerForward(npu, page_size=16)
+    runner = runner_for(npu, model, ForwardMode.TARGET_VERIFY, trees=True)
+    updates = recorded_updates(monkeypatch)
+    for lens in SCHEDULE:
+        x, md = model.batch(ForwardMode.TARGET_VERIFY, lens, trees=True)
+        out = runner.run(x, md).clone()
+        assert torch.equal(out, model(x, md)), lens
+        cpu_ref = model(x, md, CpuBackend().create_attention(model.pool))
+        torch.testing.assert_close(out.float(), cpu_ref.float(), atol=1.6e-2, rtol=1.6e-2)
+    assert len(updates) == 4 and updates[-1][0]["actual_seq_qlen"] == [4, 4, 4, 4]
+    x, md = model.batch(ForwardMode.TARGET_VERIFY, {0: 80})
+    with pytest.raises(SpecError, match="trees=True got a verify batch without a tree_mask"):
+        runner.run(x, md)
 
 
 def test_without_the_host_update_replays_use_stale_lengths(npu: NpuBackend, monkeypatch: pytest.MonkeyPatch) -> None:

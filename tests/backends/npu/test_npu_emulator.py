@@ -341,15 +341,85 @@ def test_fia_rejects_more_than_4096_requests() -> None:
     [
         kw(pse_shift=torch.zeros(1)),
         kw(block_table=None),
-        both(arg(0, lambda q: q.unsqueeze(0)), kw(input_layout="BSND")),
+        both(arg(0, lambda q: q.unsqueeze(0)), kw(input_layout="BNSD")),
         both(arg(1, lambda c: c.view(3, 1, 8, 16, 16)), arg(2, lambda c: c.view(3, 1, 8, 16, 16))),
     ],
-    ids=["pse_shift", "contiguous KV", "BSND layout", "NZ cache"],
+    ids=["pse_shift", "contiguous KV", "BNSD layout", "NZ cache"],
 )
 def test_valid_but_unemulated_features_raise_not_implemented(mutate: Callable[[list, dict], None]) -> None:
     args, kwargs = base_call()
     mutate(args, kwargs)
     with pytest.raises(NotImplementedError, match="emulator"):
+        emulator.FIA_V2(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------ BSND, explicit masks
+def bsnd_call(mask: torch.Tensor | None, **changes: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """2 requests of 3 query rows (BSND), kv 4 and 5, V row j == j (request 1: 10 + j), page 16."""
+    q = torch.zeros(2, 3, 1, 128, dtype=BF16)
+    k_cache, table = paged([torch.zeros(4, 1, 128, dtype=BF16), torch.zeros(5, 1, 128, dtype=BF16)], 16)
+    v_cache, _ = paged([ramp(4, 1, 128), ramp(5, 1, 128) + 10], 16)
+    kwargs: dict[str, Any] = {
+        "atten_mask": mask, "actual_seq_qlen": [3, 3], "actual_seq_kvlen": [4, 5], "block_table": table,
+        "num_query_heads": 1, "num_key_value_heads": 1, "softmax_scale": 1.0, "input_layout": "BSND",
+        "sparse_mode": 0, "block_size": 16,
+    }  # fmt: skip
+    kwargs.update(changes)
+    return [q, k_cache, v_cache], kwargs
+
+
+def tree_style_mask() -> torch.Tensor:
+    """(B, 1, Q_S, 16), True = masked: request 0's rows see {0, 1}, {0, 2}, {0, 1, 3}; request 1's
+    {0..2}, {0..2, 4}, {0..3}."""
+    mask = torch.ones(2, 1, 3, 16, dtype=torch.bool)
+    for b, rows in enumerate([[[0, 1], [0, 2], [0, 1, 3]], [[0, 1, 2], [0, 1, 2, 4], [0, 1, 2, 3]]]):
+        for i, keys in enumerate(rows):
+            mask[b, 0, i, keys] = False
+    return mask
+
+
+def test_bsnd_mode0_explicit_mask_hides_exactly_the_masked_keys() -> None:
+    args, kwargs = bsnd_call(tree_style_mask(), return_softmax_lse=True)
+    out, lse = emulator.FIA_V2(*args, **kwargs)
+    assert out.shape == (2, 3, 1, 128) and lse.shape == (2, 1, 3, 1)
+    expect = [[0.5, 1.0, 4 / 3], [11.0, 11.75, 11.5]]  # means of the visible V rows
+    for b in range(2):
+        rows_equal(out[b], [[x] for x in expect[b]], atol=0.02)
+    # zero scores: lse is log(number of visible keys)
+    counts = torch.tensor([[2, 2, 3], [3, 4, 4]], dtype=torch.float32).log().view(2, 1, 3, 1)
+    torch.testing.assert_close(lse, counts, atol=1e-5, rtol=0)
+
+
+def test_bsnd_one_query_row_applies_the_mask_as_is_whatever_the_mode() -> None:
+    mask = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    mask[0, 0, 0, [1, 3]] = False
+    mask[1, 0, 0, [0]] = False
+    args, kwargs = bsnd_call(mask, actual_seq_qlen=[1, 1], sparse_mode=3)
+    args[0] = args[0][:, :1].contiguous()
+    out, _ = emulator.FIA_V2(*args, **kwargs)
+    rows_equal(out[:, 0], [[2.0], [10.0]], atol=0.02)
+
+
+BSND_REJECTIONS: dict[str, tuple[dict[str, Any], str]] = {
+    "2-D mask with several query rows": ({"atten_mask": torch.zeros(3, 16, dtype=torch.bool)}, "910B only"),
+    "mask batch neither 1 nor B": ({"atten_mask": torch.zeros(3, 1, 3, 16, dtype=torch.bool)}, "batch dim must be 1 or B=2"),
+    "mask head dim not 1": ({"atten_mask": torch.zeros(2, 2, 3, 16, dtype=torch.bool)}, "head dim 1"),
+    "mask query dim below Q_S": ({"atten_mask": torch.zeros(2, 1, 2, 16, dtype=torch.bool)}, "query dim must be >= Q_S=3"),
+    "mask narrower than the pages": ({"atten_mask": torch.zeros(2, 1, 3, 8, dtype=torch.bool)}, "maxBlockNumPerSeq"),
+    "actual_seq_qlen above S": ({"actual_seq_qlen": [4, 3]}, "must be <= the tensor's S=3"),
+    "actual_seq_qlen neither 1 nor B entries": ({"actual_seq_qlen": []}, "1 or at least B"),
+    "actual_seq_kvlen negative": ({"actual_seq_kvlen": [4, -1]}, "negative"),
+    "sinks in BSND": ({"learnable_sink": torch.zeros(1, dtype=BF16)}, "only supported with input_layout TND"),
+}
+
+
+@pytest.mark.parametrize("name", list(BSND_REJECTIONS))
+def test_bsnd_rejects_what_the_real_op_rejects(name: str) -> None:
+    changes, message = BSND_REJECTIONS[name]
+    args, kwargs = bsnd_call(tree_style_mask())
+    emulator.FIA_V2(*args, **kwargs)  # the unchanged call is valid
+    kwargs.update(changes)
+    with pytest.raises(NpuOpError, match=message):
         emulator.FIA_V2(*args, **kwargs)
 
 

@@ -63,6 +63,8 @@ class ArenaKVPool(SplitKVPool):
 class HostLenAttention(AttentionKernelBase):
     """Paged attention whose op reads per-request lengths from host lists (FIA-style)."""
 
+    serves_trees = True  # the op takes the verify batch's tree mask
+
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:
         """The host arguments of one call: what a graph update must refresh."""
         return {"kv_lens": list(metadata.kv_lens_cpu), "cu_q_lens": [0, *metadata.cu_q_lens_cpu]}
@@ -90,6 +92,7 @@ class HostLenAttention(AttentionKernelBase):
             scaling=layer.scaling,
             sliding_window=layer.sliding_window,
             sinks=sinks,
+            tree_mask=metadata.tree_mask,  # a device tensor: a replay's copies refresh it in place
         ).to(q.dtype)
 
 
