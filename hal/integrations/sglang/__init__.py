@@ -39,8 +39,10 @@ SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
         "ForwardBatch.extend_prefix_lens_cpu", "ForwardBatch.out_cache_loc", "ForwardBatch.spec_info",
     ),
     "sglang.srt.speculative.spec_info": ("SpecInput.num_tokens_per_req", "SpecInput.spec_input_type", "SpecInputType.NGRAM_VERIFY"),
-    "sglang.srt.speculative.eagle_info": ("EagleVerifyInput.tree_topk", "EagleVerifyInput.topk"),
-    "sglang.srt.speculative.ngram_info": ("NgramVerifyInput.tree_topk",),
+    "sglang.srt.speculative.eagle_info": ("EagleVerifyInput.tree_topk", "EagleVerifyInput.topk", "EagleVerifyInput.custom_mask"),
+    "sglang.srt.speculative.ngram_info": ("NgramVerifyInput.tree_topk", "NgramVerifyInput.custom_mask"),
+    # The resolved speculative configuration: speculative_eagle_topk, enable_multi_layer_eagle.
+    "sglang.srt.runtime_context": ("get_spec",),
     "sglang.srt.layers.radix_attention": (
         "AttentionType.ENCODER_ONLY", "RadixAttention.layer_id", "RadixAttention.tp_q_head_num",
         "RadixAttention.tp_k_head_num", "RadixAttention.qk_head_dim", "RadixAttention.v_head_dim",

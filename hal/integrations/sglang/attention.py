@@ -18,9 +18,9 @@ DRAFT_EXTEND_V2     ``extend_seq_lens``, else      ``seq_lens`` (they count the 
                     ``num_tokens_per_req``
 ==================  ============================  ==========================================
 
-Target-verify batches must be chains (the verify input's ``tree_topk == 1``): hal masks every mode
-bottom-right causal, which is a chain's mask; a tree (EAGLE with ``topk > 1``, NGRAM's irregular
-trees) is refused before anything is written, not computed as a chain.
+A target-verify batch is a chain when its verify input says ``tree_topk == 1``; otherwise (EAGLE
+with ``topk > 1``, NGRAM's irregular trees) its ``custom_mask`` becomes hal's tree mask
+(``verify_tree_mask``), checked like every hal tree before anything is written.
 """
 
 from __future__ import annotations
@@ -60,19 +60,10 @@ def hal_mode(mode: Any) -> ForwardMode:
 
 
 def tokens_per_request(forward_batch: Any) -> int:
-    """Query rows per request of a speculative batch, from its spec_info.
-
-    A TARGET_VERIFY batch is computed as a chain (hal's causal mask) only when SGLang says it is
-    one: its verify input's ``tree_topk`` (or, on inputs without it, ``topk``) is 1. SGLang's own
-    backends take the same signal (an EAGLE chain still carries an all-visible ``custom_mask``).
-    A tree, an irregular tree (``tree_topk == -1``, NGRAM) or an input that does not say is
-    refused with ``UnsupportedConfigError`` naming the algorithm's input type.
-    """
+    """Query rows per request of a speculative batch, from its spec_info."""
     spec = forward_batch.spec_info
     if spec is None:
         raise SpecError(f"attention backend 'hal': a {forward_batch.forward_mode.name} batch carries no spec_info")
-    if forward_batch.forward_mode == SGLangMode.TARGET_VERIFY:
-        check_chain_verify(spec)
     n = getattr(spec, "num_tokens_per_req", 0)
     if not isinstance(n, int) or n <= 0:
         n = getattr(spec, "draft_token_num", 0)
@@ -81,19 +72,51 @@ def tokens_per_request(forward_batch: Any) -> int:
     return n
 
 
-def check_chain_verify(spec: Any) -> None:
-    """Raise ``UnsupportedConfigError`` unless the verify input ``spec`` declares a chain (see
-    ``tokens_per_request``)."""
+def verify_tree_mask(forward_batch: Any, rows: int, prefix_lens: list[int]) -> torch.Tensor | None:
+    """hal's ``[B, N, N]`` tree mask of a TARGET_VERIFY batch (host tensor), or None for a chain.
+
+    SGLang says a verify batch is a chain with its verify input's ``tree_topk`` (or, on inputs
+    without it, ``topk``) of 1, as its own backends read it (an EAGLE chain still carries an
+    all-visible mask). Otherwise the tree is the input's flat bool ``custom_mask`` in one of the
+    two layouts SGLang builds, told apart by size: QLEN (an ``[N, N]`` block per request: its CPU
+    path, NGRAM's) or FULL (per request ``N`` rows over ``prefix + N`` columns: its GPU kernels').
+    A FULL row must see the whole prefix. Bit-packed masks, a mask of another size, and an input
+    that does not say its shape are refused by name.
+    """
+    spec = forward_batch.spec_info
     kind = getattr(getattr(spec, "spec_input_type", None), "name", type(spec).__name__)
     topk = getattr(spec, "tree_topk", getattr(spec, "topk", None))
     if topk == 1:
-        return
-    shape = "does not say its tree's branching (no tree_topk or topk)" if topk is None else f"is a tree (tree_topk={topk})"
-    raise UnsupportedConfigError(
-        f"attention backend 'hal': the {kind} target-verify batch {shape}; hal verifies chains only "
-        "(tree_topk=1: EAGLE, including multi-layer EAGLE, NEXTN or STANDALONE with speculative_eagle_topk=1), "
-        "a tree's custom mask is not computed"
-    )
+        return None
+    where = f"attention backend 'hal': the {kind} target-verify batch"
+    if topk is None:
+        raise UnsupportedConfigError(f"{where} does not say its tree's branching (no tree_topk or topk)")
+    mask = getattr(spec, "custom_mask", None)
+    if not isinstance(mask, torch.Tensor):
+        raise SpecError(f"{where} is a tree (tree_topk={topk}) without a custom_mask tensor, got {mask!r}")
+    if mask.dtype != torch.bool:
+        raise UnsupportedConfigError(f"{where} carries a {mask.dtype} (bit-packed) tree mask; hal reads bool masks "
+                                     "(SGLang's QLEN_ONLY or FULL_MASK layouts)")
+    flat = mask.reshape(-1).cpu()
+    batch, n = len(prefix_lens), rows
+    qlen_size, full_size = batch * n * n, n * sum(prefix_lens) + batch * n * n
+    if flat.numel() == qlen_size:
+        return flat.view(batch, n, n).clone()
+    if flat.numel() < full_size:
+        raise SpecError(f"{where} has a custom_mask of {flat.numel()} entries; expected {qlen_size} ([N, N] per request) "
+                        f"or at least {full_size} ([N, prefix + N] per request, N={n}, prefixes {prefix_lens})")
+    tree = torch.empty((batch, n, n), dtype=torch.bool)
+    at = 0
+    for b, prefix in enumerate(prefix_lens):
+        block = flat[at : at + n * (prefix + n)].view(n, prefix + n)
+        hidden = ~block[:, :prefix]
+        if bool(hidden.any()):
+            row, key = (int(x) for x in hidden.nonzero()[0])
+            raise SpecError(f"{where}: request {b} row {row} hides prefix key {key}; a draft token sees the whole "
+                            "committed prefix")
+        tree[b] = block[:, prefix:]
+        at += n * (prefix + n)
+    return tree
 
 
 def _host_ints(values: Any, what: str) -> list[int]:
@@ -181,6 +204,9 @@ def metadata_from_forward_batch(
         raise SpecError(f"attention backend 'hal': kv length {width} exceeds the request table's {req_to_token.shape[1]} positions")
     rows = req_to_token[torch.tensor(requests, dtype=torch.long, device=req_to_token.device), :width].cpu() if kv_lens else torch.zeros(0, 0)
     page_table = page_table_from_req_to_token(rows, kv_lens, ps)
+    tree = None
+    if mode is ForwardMode.TARGET_VERIFY:
+        tree = verify_tree_mask(forward_batch, q_lens[0] if q_lens else 0, [k - q for k, q in zip(kv_lens, q_lens)])
     if swa_pool is not None:
         mirror_swa_pages(swa_pool, pool, rows, page_table, kv_lens, q_lens, window)
     return build_metadata(
@@ -191,6 +217,7 @@ def metadata_from_forward_batch(
         out_cache_loc=forward_batch.out_cache_loc,
         pool=pool,
         max_pages=max_pages,
+        tree_mask=tree,
     )
 
 

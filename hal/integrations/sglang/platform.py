@@ -17,7 +17,7 @@ from typing import Any
 
 import hal
 from hal.errors import UnsupportedConfigError
-from hal.integrations.sglang.plugin import CHAIN_ALGORITHMS, NAME, bound_to
+from hal.integrations.sglang.plugin import NAME, SPECULATIVE_ALGORITHMS, bound_to
 from sglang.srt.platforms.interface import PlatformCapabilities
 
 # SGLang resolves its platform while ``sglang.srt.platforms`` is still importing: this module
@@ -74,10 +74,10 @@ class HalPlatform(_IN_TREE):  # type: ignore[misc]
         return NAME
 
     def supports_speculative_algorithm(self, algorithm: str) -> bool:
-        # hal verifies chains: EAGLE-family drafts with speculative_eagle_topk=1 (a tree verify
-        # batch is refused by the attention backend). NEXTN is SGLang's alias of EAGLE; on
-        # MiMo-V2-Flash, EAGLE is its multi-layer EAGLE (MTP).
-        return str(algorithm).upper() in CHAIN_ALGORITHMS
+        # The EAGLE family (NEXTN is SGLang's alias of EAGLE; on MiMo-V2-Flash, EAGLE is its
+        # multi-layer EAGLE, MTP) and NGRAM; trees need a kernel that serves them, which the
+        # attention backend checks at start-up (plugin.check_speculative_configuration).
+        return str(algorithm).upper() in SPECULATIVE_ALGORITHMS
 
     def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
         return NAME

@@ -8,8 +8,11 @@ from typing import Any
 
 #: The name SGLang knows hal by: ``--attention-backend hal`` and ``SGLANG_PLATFORM=hal``.
 NAME = "hal"
-#: Speculative algorithms whose verify batches are chains (with ``speculative_eagle_topk=1``).
-CHAIN_ALGORITHMS = frozenset({"EAGLE", "NEXTN", "STANDALONE"})
+#: Speculative algorithms hal serves: the EAGLE family (chains with ``speculative_eagle_topk=1``,
+#: trees above it) and NGRAM (trees from its n-gram store).
+SPECULATIVE_ALGORITHMS = frozenset({"EAGLE", "NEXTN", "STANDALONE", "NGRAM"})
+#: Those whose verify batches are trees whatever ``speculative_eagle_topk`` says.
+TREE_ALGORITHMS = frozenset({"NGRAM"})
 
 
 def register() -> None:
@@ -34,32 +37,51 @@ def create_attention_backend(model_runner: Any) -> Any:
     from hal.integrations.sglang.attention import HalAttnBackend
 
     algorithm = getattr(model_runner, "spec_algorithm", None)
-    if algorithm is not None and not algorithm.is_none():
-        check_chain_configuration(algorithm.name, getattr(getattr(model_runner, "server_args", None), "speculative_eagle_topk", None))
-    if algorithm is not None and not algorithm.is_none() and os.environ.get("SGLANG_PLATFORM") != NAME:
+    speculative = algorithm is not None and not algorithm.is_none()
+    if algorithm is not None and speculative and os.environ.get("SGLANG_PLATFORM") != NAME:
         raise UnsupportedConfigError(
             f"attention backend {NAME!r} serves speculative decoding ({algorithm.name}) through hal's platform: "
             f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
         )
-    return HalAttnBackend(model_runner, edge_backend(model_runner.device))
+    backend = edge_backend(model_runner.device)
+    if algorithm is not None and speculative:
+        from sglang.srt.runtime_context import get_spec
+
+        spec = get_spec()  # the resolved configuration (a model's overrides, MiMo's multi-layer EAGLE, included)
+        check_speculative_configuration(algorithm.name, spec.speculative_eagle_topk, backend,
+                                        multi_layer=bool(spec.enable_multi_layer_eagle))
+    return HalAttnBackend(model_runner, backend)
 
 
-def check_chain_configuration(algorithm: str, topk: Any) -> None:
-    """Refuse at start-up a speculative configuration whose verify batches are trees (an algorithm
-    outside ``CHAIN_ALGORITHMS``, such as NGRAM, or ``speculative_eagle_topk`` above 1): hal
-    verifies chains, and each such batch would be refused (``check_chain_verify``) after the
-    server had started."""
+def check_speculative_configuration(algorithm: str, topk: Any, backend: Any, *, multi_layer: bool = False) -> None:
+    """Refuse at start-up a speculative configuration hal cannot serve on ``backend``: an algorithm
+    outside ``SPECULATIVE_ALGORITHMS``; tree verify batches (NGRAM, ``speculative_eagle_topk``
+    above 1) where the backend's kernel verifies chains only (``serves_trees``), which would
+    otherwise be refused batch by batch after the server had started; and ``topk`` above 1 on
+    SGLang's multi-layer EAGLE worker (``multi_layer``, MiMo-V2-Flash's MTP), which verifies
+    chains only: it keeps the accepted rows' KV where the chain would have put them instead of
+    compacting the accepted tree path, so its tokens differ from plain decoding whatever the
+    attention backend computes."""
     from hal.errors import UnsupportedConfigError
 
-    if str(algorithm).upper() not in CHAIN_ALGORITHMS:
+    name = str(algorithm).upper()
+    if name not in SPECULATIVE_ALGORITHMS:
         raise UnsupportedConfigError(
-            f"attention backend {NAME!r}: speculative algorithm {algorithm} verifies trees; hal verifies chains "
-            f"({', '.join(sorted(CHAIN_ALGORITHMS))} with speculative_eagle_topk=1)"
+            f"attention backend {NAME!r}: speculative algorithm {algorithm} is not served; hal serves "
+            f"{', '.join(sorted(SPECULATIVE_ALGORITHMS))}"
         )
-    if topk is not None and topk != 1:
+    trees = name in TREE_ALGORITHMS or (topk is not None and topk != 1)
+    if multi_layer and topk is not None and topk != 1:
         raise UnsupportedConfigError(
-            f"attention backend {NAME!r}: speculative_eagle_topk={topk} makes tree verify batches; hal verifies "
-            "chains (speculative_eagle_topk=1)"
+            f"attention backend {NAME!r}: speculative_eagle_topk={topk} on SGLang's multi-layer EAGLE worker, which "
+            "verifies chains only (it does not compact an accepted tree path, and its tokens would differ from plain "
+            "decoding); use speculative_eagle_topk=1"
+        )
+    if trees and not getattr(getattr(backend, "attention_class", None), "serves_trees", False):
+        why = f"speculative algorithm {algorithm}" if name in TREE_ALGORITHMS else f"speculative_eagle_topk={topk}"
+        raise UnsupportedConfigError(
+            f"attention backend {NAME!r}: {why} makes tree verify batches, and the {getattr(backend, 'name', backend)} "
+            "backend's kernel verifies chains only (speculative_eagle_topk=1)"
         )
 
 

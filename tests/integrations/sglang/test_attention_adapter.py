@@ -21,6 +21,7 @@ from hal.errors import CacheLocationError, GraphError, SpecError, UnsupportedCon
 from hal.integrations.sglang.plugin import bound_to  # noqa: E402
 from hal.integrations.sglang.attention import HalAttnBackend, page_table_from_req_to_token  # noqa: E402
 from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool as UnboundHalPool  # noqa: E402
+from hal.tree import tree_mask_from_parents  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
@@ -177,28 +178,24 @@ def test_out_cache_loc_of_the_wrong_length_is_refused() -> None:
         world.backend.init_forward_metadata(fb)
 
 
-def ngram_tree_verify(prefix: list[int], n: int) -> object:
-    """SGLang's NGRAM verify input for requests whose draft tree branches: node 0 is the root,
-    nodes 1 and 2 are both its children (siblings), every later node is a child of node 1."""
+PARENTS = [-1, 0, 0, 1, 1, 2]  # node 0 the root; 1 and 2 its children; 3, 4 under 1; 5 under 2
+
+
+def ngram_tree_verify(prefix: list[int], layout: str) -> object:
+    """SGLang's NGRAM verify input over ``PARENTS`` for requests with these prefixes, its mask in
+    SGLang's QLEN layout (``[N, N]`` per request, its CPU path) or FULL layout (``[N, prefix + N]``)."""
     from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-    parent = [-1, 0, 0] + [1] * (n - 3)
-    masks = []
-    for p in prefix:
-        rows = torch.zeros((n, p + n), dtype=torch.bool)
-        rows[:, :p] = True
-        for i in range(n):
-            j = i
-            while j >= 0:
-                rows[i, p + j] = True
-                j = parent[j]
-        masks.append(rows.reshape(-1))
+    n = len(PARENTS)
+    tree = tree_mask_from_parents([PARENTS])[0]
+    masks = [tree.reshape(-1) if layout == "qlen" else torch.cat([torch.ones(n, p, dtype=torch.bool), tree], 1).reshape(-1)
+             for p in prefix]
+    depth = tree.sum(-1) - 1
     bs = len(prefix)
     return NgramVerifyInput(
         draft_token=torch.zeros(bs * n, dtype=torch.long), custom_mask=torch.cat(masks),
-        positions=torch.tensor([p + [0, 1, 1, *[2] * (n - 3)][i] for p in prefix for i in range(n)]),
-        retrieve_index=torch.arange(bs * n).view(bs, n), retrieve_next_token=torch.full((bs, n), -1),
-        retrieve_next_sibling=torch.full((bs, n), -1), draft_token_num=n,
+        positions=torch.cat([p + depth for p in prefix]), retrieve_index=torch.arange(bs * n).view(bs, n),
+        retrieve_next_token=torch.full((bs, n), -1), retrieve_next_sibling=torch.full((bs, n), -1), draft_token_num=n,
     )
 
 
@@ -215,34 +212,94 @@ def eagle_verify(n: int, topk: int, custom_mask: torch.Tensor) -> object:
     )
 
 
+def tree_oracle(q: torch.Tensor, world: World, reqs: list[int], prefix: list[int], window: int | None) -> torch.Tensor:
+    """Each verify row attends as the last row of a chain over its prefix and its own path
+    (positions by depth, the window counting positions)."""
+    n = len(PARENTS)
+    tree = tree_mask_from_parents([PARENTS])[0]
+    group = Q_HEADS // KV_HEADS
+    out = []
+    for b, (r, p) in enumerate(zip(reqs, prefix)):
+        for i in range(n):
+            path = tree[i].nonzero().flatten()
+            keys = torch.cat([torch.arange(p), p + path])
+            position = torch.cat([torch.arange(p), p + torch.arange(len(path))])
+            if window is not None:
+                keys = keys[position >= position[-1] - window]
+            k = world.k[r, keys].repeat_interleave(group, dim=1)
+            v = world.v[r, keys].repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,khd->hk", q[b * n + i].double(), k) * HEAD_DIM**-0.5
+            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+    return torch.stack(out).reshape(len(out), Q_HEADS * V_HEAD_DIM)
+
+
+@pytest.mark.parametrize("layout", ["qlen", "full"])
+@pytest.mark.parametrize("window", [None, 1], ids=["full", "window1"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_an_ngram_tree_verify_is_refused_before_anything_is_written(graph: bool) -> None:
-    """NGRAM's verify trees branch; computing them with a chain's causal mask gives wrong tokens."""
+def test_an_ngram_tree_verify_attends_by_its_tree(layout: str, window: int | None, graph: bool) -> None:
+    """NGRAM's verify trees branch: each row sees its prefix and its own ancestors, not its
+    siblings' rows (which a chain's causal mask would show it)."""
     world = World(HalMHATokenToKVPool, seed=3)
-    fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0, 2], [5, 9], [4, 4])
-    fb.spec_info = ngram_tree_verify([5, 9], 4)
-    assert not fb.spec_info.custom_mask[: 4 * 9].view(4, 9)[2, 5 + 1]  # node 2 does not see its sibling
+    reqs, prefix, n = [0, 2], [5, 9], len(PARENTS)
+    layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, layer_id=1,
+                           v_head_dim=V_HEAD_DIM, sliding_window_size=-1 if window is None else window)
+    world.write_prefix(layer, reqs, prefix)
+    fb = make_batch(ForwardMode.TARGET_VERIFY, world, reqs, prefix, [n, n])
+    fb.spec_info = ngram_tree_verify(prefix, layout)
+    if graph:
+        world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * n)
+        world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    else:
+        world.backend.init_forward_metadata(fb)
+    md = world.backend.forward_metadata
+    assert torch.equal(md.tree_mask, tree_mask_from_parents([PARENTS] * 2))
+    assert md.positions.tolist() == fb.spec_info.positions.tolist()  # hal's positions by depth are SGLang's
+    k_new = torch.cat([world.k[r, p : p + n] for r, p in zip(reqs, prefix)]).float()
+    v_new = torch.cat([world.v[r, p : p + n] for r, p in zip(reqs, prefix)]).float()
+    q = torch.randn((2 * n, Q_HEADS, HEAD_DIM), generator=world.gen)
+    out = world.backend.forward_extend(q.reshape(2 * n, -1), k_new.reshape(2 * n, -1), v_new.reshape(2 * n, -1), layer, fb)
+    expect = tree_oracle(q, world, reqs, prefix, window)
+    torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+    chain = oracle(q, world, reqs, [n, n], [p + n for p in prefix], window)
+    assert (chain - expect).abs().max() > 0.1  # the tree matters
+
+
+def test_a_tree_mask_that_hides_the_prefix_or_is_no_tree_is_refused_before_anything_is_written() -> None:
+    world = World(HalMHATokenToKVPool, seed=3)
+    fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0], [5], [6])
     before = [t.clone() for t in world.pool.k_buffer]
-    with pytest.raises(UnsupportedConfigError, match=r"NGRAM_VERIFY target-verify batch is a tree \(tree_topk=-1\)"):
-        if graph:
-            world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
-            world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        else:
-            world.backend.init_forward_metadata(fb)
+    fb.spec_info = ngram_tree_verify([5], "full")
+    fb.spec_info.custom_mask[11 * 2 + 3] = False  # row 2 hides prefix key 3
+    with pytest.raises(SpecError, match="request 0 row 2 hides prefix key 3"):
+        world.backend.init_forward_metadata(fb)
+    fb.spec_info = ngram_tree_verify([5], "qlen")
+    fb.spec_info.custom_mask[6 * 4 + 2] = True  # row 4 also sees row 2, its parent's sibling
+    with pytest.raises(SpecError, match=r"row 4 sees rows \[0, 1, 2, 4\], but its parent row 2 sees \[0, 2\]"):
+        world.backend.init_forward_metadata(fb)
+    fb.spec_info = ngram_tree_verify([5], "qlen")
+    fb.spec_info.custom_mask = fb.spec_info.custom_mask[:-1]
+    with pytest.raises(SpecError, match="custom_mask of 35 entries; expected 36"):
+        world.backend.init_forward_metadata(fb)
+    fb.spec_info = ngram_tree_verify([5], "qlen")
+    fb.spec_info.custom_mask = fb.spec_info.custom_mask.to(torch.uint8)
+    with pytest.raises(UnsupportedConfigError, match="bit-packed"):
+        world.backend.init_forward_metadata(fb)
     assert world.backend.forward_metadata is None
     assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer))
 
 
-def test_an_eagle_tree_is_refused_and_an_eagle_chain_is_served() -> None:
+def test_an_eagle_tree_is_served_by_its_mask_and_an_eagle_chain_by_its_topk() -> None:
     world = World(HalMHATokenToKVPool, seed=3)
     fb = make_batch(ForwardMode.TARGET_VERIFY, world, [0], [5], [4])
-    fb.spec_info = eagle_verify(4, topk=2, custom_mask=torch.ones(5 * 4 + 16, dtype=torch.bool))
-    with pytest.raises(UnsupportedConfigError, match=r"EAGLE_VERIFY target-verify batch is a tree \(tree_topk=2\)"):
-        world.backend.init_forward_metadata(fb)
+    tree = tree_mask_from_parents([[-1, 0, 0, 1]])
+    fb.spec_info = eagle_verify(4, topk=2, custom_mask=torch.cat([torch.ones(4, 5, dtype=torch.bool), tree[0]], 1).reshape(-1))
+    world.backend.init_forward_metadata(fb)
+    assert torch.equal(world.backend.forward_metadata.tree_mask, tree)
     # A chain carries a custom mask too (all visible, as SGLang's own chain verify builds it).
     fb.spec_info = eagle_verify(4, topk=1, custom_mask=torch.ones(5 * 4 + 16, dtype=torch.bool))
     world.backend.init_forward_metadata(fb)
-    assert world.backend.forward_metadata.q_lens_cpu == (4,) and world.backend.forward_metadata.kv_lens_cpu == (9,)
+    md = world.backend.forward_metadata
+    assert md.tree_mask is None and md.q_lens_cpu == (4,) and md.kv_lens_cpu == (9,)
 
 
 def test_a_verify_input_that_does_not_say_its_shape_is_refused() -> None:

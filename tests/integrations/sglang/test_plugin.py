@@ -70,8 +70,8 @@ def test_platform_hal_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert issubclass(runner, MultiLayerEagleMultiStepDraftExtendCudaGraphRunner)
     assert platform.get_speculative_graph_runner_cls(algorithm="EAGLE", phase="draft_decode") is None
     assert platform.get_speculative_graph_runner_cls(algorithm="EAGLE", phase="draft_extend") is None
-    # chains only: EAGLE (multi-layer on MiMo-V2-Flash), its alias NEXTN, STANDALONE; not NGRAM's trees
-    assert [platform.supports_speculative_algorithm(a) for a in ("EAGLE", "NEXTN", "STANDALONE", "NGRAM", "DFLASH")] == [True, True, True, False, False]
+    # the EAGLE family (multi-layer on MiMo-V2-Flash), its alias NEXTN, STANDALONE, and NGRAM's trees
+    assert [platform.supports_speculative_algorithm(a) for a in ("EAGLE", "NEXTN", "STANDALONE", "NGRAM", "DFLASH")] == [True, True, True, True, False]
     assert platform.supports_speculative_draft_attention_backend("EAGLE", "hal")
     assert not platform.supports_speculative_draft_attention_backend("EAGLE", "triton")
     assert platform.hal_backend is platform.hal_backend and platform.hal_backend.device.type == "cpu"
@@ -128,23 +128,48 @@ def test_speculative_decoding_without_hals_platform_is_refused_at_start_up(monke
         plugin.create_attention_backend(runner)
 
 
-@pytest.mark.parametrize(("algorithm", "topk", "named"), [("NGRAM", None, "NGRAM verifies trees"),
-                                                          ("EAGLE", 2, "speculative_eagle_topk=2"),
-                                                          ("EAGLE", 4, "speculative_eagle_topk=4")])
-def test_tree_speculative_configurations_are_refused_at_start_up(monkeypatch: pytest.MonkeyPatch, algorithm: str,
-                                                                  topk: int | None, named: str) -> None:
-    """NGRAM and EAGLE with topk > 1 make tree verify batches, which hal refuses batch by batch:
-    the first model runner refuses them by name before the server starts (under hal's platform
-    too), where SGLang would otherwise die at the first draft; a chain configuration gets past."""
-    import types
-
+@pytest.mark.parametrize(("algorithm", "topk", "named"), [("NGRAM", None, "speculative algorithm NGRAM makes tree verify batches"),
+                                                          ("EAGLE", 2, "speculative_eagle_topk=2 makes tree verify batches"),
+                                                          ("NEXTN", 4, "speculative_eagle_topk=4 makes tree verify batches")])
+def test_tree_configurations_start_only_on_a_backend_whose_kernel_serves_trees(algorithm: str, topk: int | None,
+                                                                               named: str) -> None:
+    """NGRAM and EAGLE with topk > 1 make tree verify batches: served where the backend's kernel
+    serves trees (every in-tree one), refused by name at start-up where it verifies chains only,
+    where SGLang would otherwise fail at the first verify."""
+    from hal.backends.cpu import CpuBackend
+    from hal.backends.cpu.attention import CpuAttention
     from hal.errors import UnsupportedConfigError
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
-    tree = types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm],
-                                 server_args=types.SimpleNamespace(speculative_eagle_topk=topk))
-    with pytest.raises(UnsupportedConfigError, match=named):
-        plugin.create_attention_backend(tree)
-    plugin.check_chain_configuration("EAGLE", 1)  # the chain: no refusal
-    plugin.check_chain_configuration("NEXTN", None)
+    class ChainsOnlyAttention(CpuAttention):
+        serves_trees = False
+
+    class ChainsOnly(CpuBackend):
+        name = "chains-only"
+        attention_class = ChainsOnlyAttention
+
+    with pytest.raises(UnsupportedConfigError, match=named + ", and the chains-only backend's kernel verifies chains only"):
+        plugin.check_speculative_configuration(algorithm, topk, ChainsOnly())
+    plugin.check_speculative_configuration(algorithm, topk, CpuBackend())
+    plugin.check_speculative_configuration("EAGLE", 1, ChainsOnly())  # a chain: any kernel
+    plugin.check_speculative_configuration("NEXTN", None, ChainsOnly())
+
+
+@pytest.mark.parametrize("topk", [2, 4])
+def test_topk_above_one_on_the_multi_layer_eagle_worker_is_refused_at_start_up(topk: int) -> None:
+    """SGLang's multi-layer worker (MiMo-V2-Flash's MTP) drafts and accepts as a chain: with topk 2
+    it returned tokens that differ from plain decoding while hal's tree verify was exact (the NGRAM
+    Engine test shows that), so the configuration is refused, naming the worker."""
+    from hal.backends.cpu import CpuBackend
+    from hal.errors import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match=f"speculative_eagle_topk={topk} on SGLang's multi-layer EAGLE worker"):
+        plugin.check_speculative_configuration("EAGLE", topk, CpuBackend(), multi_layer=True)
+    plugin.check_speculative_configuration("EAGLE", 1, CpuBackend(), multi_layer=True)
+
+
+def test_an_algorithm_hal_does_not_serve_is_refused_at_start_up() -> None:
+    from hal.backends.cpu import CpuBackend
+    from hal.errors import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match="speculative algorithm DFLASH is not served; hal serves EAGLE, NEXTN, NGRAM, STANDALONE"):
+        plugin.check_speculative_configuration("DFLASH", None, CpuBackend())

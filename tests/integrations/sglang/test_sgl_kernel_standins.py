@@ -28,21 +28,80 @@ def test_copy_all_layer_kv_cache_moves_rows_of_every_buffer() -> None:
     ops.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.tensor([1, 4]), torch.tensor([3, 5]))
     assert k.tolist()[1] == [12, 13, 14, 15] and k.tolist()[4] == [20, 21, 22, 23] and k.tolist()[3] == [12, 13, 14, 15]
     assert v.tolist()[1] == [106, 107] and v.tolist()[4] == [110, 111]
-    with pytest.raises(ops.StandInError, match=r"slots \[3\] are both read and written"):
-        ops.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.tensor([3, 2]), torch.tensor([0, 3]))
-    with pytest.raises(ops.StandInError, match="data_ptrs must be a 1-D uint64"):
+    # Sources are read before any target is written: row 3 moves to 2 before row 0 lands on 3;
+    # a slot written twice (the padding slot 0, as a verify's padded rows give) keeps the later row.
+    k.copy_(torch.arange(24, dtype=torch.float32).view(6, 4))
+    ops.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.tensor([3, 2, 0, 0]), torch.tensor([0, 3, 5, 1]))
+    assert k.tolist()[2] == [12, 13, 14, 15] and k.tolist()[3] == [0, 1, 2, 3] and k.tolist()[0] == [4, 5, 6, 7]
+    with pytest.raises(ops.StandInError, match="data_ptrs must be torch.uint64"):
         ops.copy_all_layer_kv_cache_cpu(ptrs.long(), strides, torch.tensor([1]), torch.tensor([2]))
+    with pytest.raises(ops.StandInError, match="src_loc must be torch.int64"):
+        ops.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.tensor([1]), torch.tensor([2], dtype=torch.int32))
 
 
 def test_rotate_input_ids_shifts_each_request_and_appends_its_token() -> None:
     ids = torch.tensor([10, 11, 12, 20, 21, 30])
-    ops.rotate_input_ids_cpu(ids, torch.tensor([0, 3, 5]), torch.tensor([3, 2, 1]), torch.tensor([[7], [8], [9]]), None)
+    ops.rotate_input_ids_cpu(ids, torch.tensor([0, 3, 5]), torch.tensor([3, 2, 1], dtype=torch.int32), torch.tensor([[7], [8], [9]]), None)
     assert ids.tolist() == [11, 12, 7, 21, 8, 9]
     ids = torch.tensor([10, 11, 12, 13])
     ops.rotate_input_ids_cpu(ids, torch.tensor([0]), torch.tensor([4]), torch.tensor([5]), torch.tensor([1]))
     assert ids.tolist() == [11, 5, 13, 13]  # the token goes to the selected row, after the shift
-    with pytest.raises(ops.StandInError, match="outside input_ids"):
-        ops.rotate_input_ids_cpu(torch.zeros(3, dtype=torch.long), torch.tensor([2]), torch.tensor([2]), torch.tensor([1]), None)
+
+
+def test_rotate_input_ids_reads_a_2d_topk_index_flat_as_the_real_op_does() -> None:
+    """The real op reads element ``b`` of the topk tensor's memory for request ``b``: with
+    ``[bs, topk]`` choices, request 1 gets row 0's second choice, not row 1's first."""
+    ids = torch.tensor([10, 11, 20, 21])
+    ops.rotate_input_ids_cpu(ids, torch.tensor([0, 2]), torch.tensor([2, 2]), torch.tensor([[7, 70], [8, 80]]), None)
+    assert ids.tolist() == [11, 7, 21, 70]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.zeros(3, dtype=torch.long), torch.tensor([2]), torch.tensor([2]), torch.tensor([1]), None), "outside input_ids"),
+        ((torch.zeros(3, dtype=torch.int16), torch.tensor([0]), torch.tensor([2]), torch.tensor([1]), None),
+         "input_ids must be torch.int32 or torch.int64"),
+        ((torch.zeros(3, dtype=torch.long), torch.tensor([0]), torch.tensor([2]), torch.tensor([1], dtype=torch.int32), None),
+         "topk_index must be torch.int64"),
+        ((torch.zeros(3, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([1, 1]), torch.tensor([1]), None),
+         "topk_index has 1 elements; the op reads one per request of 2"),
+        ((torch.zeros(3, dtype=torch.long), torch.tensor([0]), torch.tensor([2]), torch.tensor([[1, 2], [3, 4]]).t(), None), "contiguous"),
+    ],
+)
+def test_rotate_input_ids_refuses_what_the_real_op_refuses(args, message: str) -> None:
+    with pytest.raises(ops.StandInError, match=message):
+        ops.rotate_input_ids_cpu(*args)
+
+
+def test_reconstruct_indices_from_a_branching_ngram_mask() -> None:
+    """Nodes 0 (root), 1 and 2 its children, 3 under 1, 4 under 3, 5 under 2 (each row sees its
+    ancestors and itself), in two requests whose verified lengths are 7 and 4."""
+    parents = [-1, 0, 0, 1, 3, 2]
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    seq = torch.tensor([7, 4])
+    positions = torch.zeros(2 * n, dtype=torch.long)
+    ri, nt, ns = (torch.zeros(2, n, dtype=torch.long) for _ in range(3))
+    ops.reconstruct_indices_from_tree_mask(torch.stack([mask, mask]).flatten(), seq, positions, ri, nt, ns, 2, n)
+    assert positions.tolist() == [7, 8, 8, 9, 10, 9, 4, 5, 5, 6, 7, 6]
+    assert ri.tolist() == [list(range(n)), list(range(n, 2 * n))]
+    assert nt.tolist() == [[1, 3, 5, 4, -1, -1]] * 2  # first child
+    assert ns.tolist() == [[-1, 2, -1, -1, -1, -1]] * 2  # node 1's next sibling is 2
+    with pytest.raises(ops.StandInError, match="positions must be torch.int64"):
+        ops.reconstruct_indices_from_tree_mask(mask.flatten(), seq[:1], positions.int(), ri, nt, ns, 1, n)
+    with pytest.raises(ops.StandInError, match="for a batch of 3"):
+        ops.reconstruct_indices_from_tree_mask(mask.flatten(), torch.tensor([1, 2, 3]), positions, ri, nt, ns, 3, n)
+
+
+def test_sglangs_import_of_the_tree_op_gets_the_standin() -> None:
+    from sgl_kernel.speculative import reconstruct_indices_from_tree_mask
+
+    assert reconstruct_indices_from_tree_mask is ops.reconstruct_indices_from_tree_mask
 
 
 def test_fill_bonus_tokens_takes_each_requests_last_accepted_token() -> None:

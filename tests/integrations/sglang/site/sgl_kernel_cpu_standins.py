@@ -18,31 +18,29 @@ class StandInError(ValueError):
 def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
     """For every buffer ``i`` (base address ``data_ptrs[i]``, ``strides[i]`` bytes per slot row),
     copy row ``src_loc[j]`` onto row ``tgt_loc[j]`` for every ``j`` (SGLang's KV move after a
-    speculative verify). A row both written and read in one call has no defined result in the
-    real op (its rows are copied in parallel), so that is refused rather than ordered."""
-    if data_ptrs.dtype != torch.uint64 or data_ptrs.dim() != 1:
-        raise StandInError(f"data_ptrs must be a 1-D uint64 tensor, got {data_ptrs.dtype} of shape {tuple(data_ptrs.shape)}")
-    if strides.dtype != torch.int64 or tuple(strides.shape) != tuple(data_ptrs.shape):
-        raise StandInError(f"strides must be int64 with data_ptrs' shape {tuple(data_ptrs.shape)}, got {strides.dtype} {tuple(strides.shape)}")
-    for name, loc in (("tgt_loc", tgt_loc), ("src_loc", src_loc)):
-        if loc.dtype != torch.int64 or loc.dim() != 1:
-            raise StandInError(f"{name} must be a 1-D int64 tensor, got {loc.dtype} of shape {tuple(loc.shape)}")
-        if loc.numel() and int(loc.min()) < 0:
-            raise StandInError(f"{name} holds the negative slot {int(loc.min())}")
-    if tgt_loc.shape != src_loc.shape:
+    speculative verify). As the real op: all source rows of a buffer are read before any target
+    row is written (gather, then scatter in order), so overlapping and repeated slots are defined:
+    a row written twice keeps the later write. Tensors contiguous; ``data_ptrs`` uint64,
+    ``strides`` int64 with one entry per buffer, the slot tensors int32 or int64 of one dtype."""
+    _contiguous("data_ptrs", data_ptrs, (torch.uint64,))
+    _contiguous("strides", strides, (torch.int64,))
+    _contiguous("tgt_loc", tgt_loc, (torch.int32, torch.int64))
+    _contiguous("src_loc", src_loc, (tgt_loc.dtype,))
+    if strides.numel() != data_ptrs.numel():
+        raise StandInError(f"strides has {strides.numel()} entries for {data_ptrs.numel()} buffers")
+    if tgt_loc.numel() != src_loc.numel():
         raise StandInError(f"tgt_loc has {tgt_loc.numel()} slots, src_loc {src_loc.numel()}")
-    targets, sources = tgt_loc.tolist(), src_loc.tolist()
-    if len(set(targets)) != len(targets):
-        raise StandInError(f"tgt_loc writes a slot twice: {targets}")
-    moved = {t for t, s in zip(targets, sources) if t != s}
-    if moved & set(sources):
-        raise StandInError(f"slots {sorted(moved & set(sources))} are both read and written in one call")
+    targets, sources = tgt_loc.reshape(-1).tolist(), src_loc.reshape(-1).tolist()
+    if any(x < 0 for x in targets + sources):
+        raise StandInError(f"slots must be >= 0, got tgt_loc {targets}, src_loc {sources}")
     if any(int(s) <= 0 for s in strides.tolist()):
         raise StandInError(f"strides must be positive, got {strides.tolist()}")
     for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
-        for t, s in zip(targets, sources):
-            if t != s:
-                ctypes.memmove(base + t * stride, base + s * stride, stride)
+        staged = [(ctypes.c_char * stride)() for _ in sources]
+        for row, s in zip(staged, sources):
+            ctypes.memmove(row, base + s * stride, stride)
+        for row, t in zip(staged, targets):
+            ctypes.memmove(base + t * stride, row, stride)
 
 
 def _ints(name: str, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -59,18 +57,42 @@ def _batch(name: str, t: torch.Tensor, batch: int) -> list[int]:
     return [int(x) for x in t.reshape(-1).tolist()]
 
 
+def _contiguous(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """The op's ``CHECK_INPUT`` (a contiguous CPU tensor) and its dtype check."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+        raise StandInError(f"{name} must be a contiguous CPU tensor, got {t!r}")
+    if t.dtype not in dtypes:
+        raise StandInError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    return t
+
+
 def rotate_input_ids_cpu(
     input_ids: torch.Tensor, extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor, topk_index: torch.Tensor,
     select_index: torch.Tensor | None,
 ) -> None:
     """In place, per request ``b`` (rows ``start .. start + len - 1`` of ``input_ids``): shift the
-    rows one to the left and write ``topk_index[b]`` into the last row, or into row
-    ``select_index[b]`` when given (the draft's next input ids after the target's token)."""
-    _ints("input_ids", input_ids)
-    lens = [int(x) for x in _ints("extend_seq_lens", extend_seq_lens).tolist()]
-    starts = _batch("extend_start_loc", extend_start_loc, len(lens))
-    tokens = _batch("topk_index", topk_index, len(lens))
-    selected = None if select_index is None else _batch("select_index", select_index, len(lens))
+    rows one to the left and write the new token into the last row, or into row
+    ``select_index[b]`` when given (the draft's next input ids after the target's token).
+
+    As the real op (and SGLang's Triton version): every tensor contiguous; the batch is
+    ``extend_seq_lens``' length, and request ``b``'s token is element ``b`` of ``topk_index`` read
+    flat, whatever its shape (a ``[bs, topk]`` tensor gives row-major element ``b``, not row
+    ``b``'s first). ``topk_index`` and ``select_index`` int64; ``input_ids``, the lengths and the
+    starts int32 or int64 (SGLang 0.5.23 hands its draft-extend ``input_ids`` over as int32)."""
+    _contiguous("input_ids", input_ids, (torch.int32, torch.int64))
+    _contiguous("extend_start_loc", extend_start_loc, (torch.int32, torch.int64))
+    _contiguous("extend_seq_lens", extend_seq_lens, (torch.int32, torch.int64))
+    _contiguous("topk_index", topk_index, (torch.int64,))
+    if select_index is not None:
+        _contiguous("select_index", select_index, (torch.int64,))
+    lens = [int(x) for x in extend_seq_lens.reshape(-1).tolist()]
+    bs = len(lens)
+    for name, t in (("extend_start_loc", extend_start_loc), ("topk_index", topk_index), ("select_index", select_index)):
+        if t is not None and t.numel() < bs:
+            raise StandInError(f"{name} has {t.numel()} elements; the op reads one per request of {bs}")
+    starts = [int(x) for x in extend_start_loc.reshape(-1)[:bs].tolist()]
+    tokens = topk_index.reshape(-1)[:bs].tolist()
+    selected = None if select_index is None else [int(x) for x in select_index.reshape(-1)[:bs].tolist()]
     for b, (start, n) in enumerate(zip(starts, lens)):
         if n < 0 or start < 0 or start + n > input_ids.numel():
             raise StandInError(f"request {b}: rows {start}..{start + n - 1} outside input_ids of {input_ids.numel()}")
@@ -81,6 +103,47 @@ def rotate_input_ids_cpu(
         if not 0 <= last < input_ids.numel():
             raise StandInError(f"request {b}: select_index {last} outside input_ids of {input_ids.numel()}")
         input_ids[last] = tokens[b]
+
+
+def reconstruct_indices_from_tree_mask(
+    tree_mask: torch.Tensor, verified_seq_len: torch.Tensor, positions: torch.Tensor, retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor, batch_size: int, draft_token_num: int,
+) -> None:
+    """An n-gram verify tree's links from its ``[bs, n, n]`` (QLEN layout, flat) bool mask, as
+    SGLang's op defines them: ``mask[b, i, j]`` with ``j < i`` marks ``j`` an ancestor of ``i``;
+    ``positions[b, i]`` = ancestors + ``verified_seq_len[b]``; ``retrive_index`` = ``b * n + i``;
+    the next token is the first later node that has ``i`` as an ancestor; the next sibling, the
+    first later node that has ``i``'s parent (its latest ancestor) as an ancestor and no ancestor
+    between that parent and itself. Every tensor contiguous; the mask bool; ``positions`` and the
+    three link tensors of ``verified_seq_len``'s dtype (int32 or int64)."""
+    _contiguous("tree_mask", tree_mask, (torch.bool,))
+    index_dtype = _contiguous("verified_seq_len", verified_seq_len, (torch.int32, torch.int64)).dtype
+    for name, t in (("positions", positions), ("retrive_index", retrive_index), ("retrive_next_token", retrive_next_token),
+                    ("retrive_next_sibling", retrive_next_sibling)):
+        _contiguous(name, t, (index_dtype,))
+    bs, n = int(batch_size), int(draft_token_num)
+    if tree_mask.numel() < bs * n * n or verified_seq_len.numel() < bs:
+        raise StandInError(f"tree_mask has {tree_mask.numel()} elements and verified_seq_len {verified_seq_len.numel()}, "
+                           f"for a batch of {bs} x {n} x {n}")
+    for name, t in (("positions", positions), ("retrive_index", retrive_index), ("retrive_next_token", retrive_next_token),
+                    ("retrive_next_sibling", retrive_next_sibling)):
+        if t.numel() < bs * n:
+            raise StandInError(f"{name} has {t.numel()} elements for a batch of {bs} x {n}")
+    mask = tree_mask.reshape(-1)[: bs * n * n].view(bs, n, n).tolist()
+    seq = verified_seq_len.reshape(-1).tolist()
+    pos, ri, nt, ns = (t.view(-1) for t in (positions, retrive_index, retrive_next_token, retrive_next_sibling))
+    for b in range(bs):
+        rows = mask[b]
+        for i in range(n):
+            ancestors = [j for j in range(i) if rows[i][j]]
+            parent = ancestors[-1] if ancestors else -1
+            pos[b * n + i] = len(ancestors) + seq[b]
+            ri[b * n + i] = b * n + i
+            nt[b * n + i] = next((k for k in range(i + 1, n) if rows[k][i]), -1)
+            sibling = -1
+            if parent != -1:
+                sibling = next((k for k in range(i + 1, n) if rows[k][parent] and not any(rows[k][parent + 1 : k])), -1)
+            ns[b * n + i] = sibling
 
 
 def fill_bonus_tokens_cpu(accept_tokens: torch.Tensor, accept_lens: torch.Tensor, bonus_tokens: torch.Tensor, accept_stride: int) -> None:

@@ -62,10 +62,16 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module):  # type: ignore[no-untyped-def]
-        pass
+        for name, op in _SUBMODULE_STANDINS.get(module.__name__, {}).items():
+            setattr(module, name, op)
 
 
 sys.meta_path.insert(0, _SubmoduleFinder())
+
+# Stand-ins SGLang imports from a submodule (``from sgl_kernel.speculative import ...``).
+from sgl_kernel_cpu_standins import reconstruct_indices_from_tree_mask  # noqa: E402
+
+_SUBMODULE_STANDINS = {__name__ + ".speculative": {"reconstruct_indices_from_tree_mask": reconstruct_indices_from_tree_mask}}
 
 # The CPU ops SGLang's speculative path calls: strict pure-torch stand-ins, not placeholders.
 from sgl_kernel_cpu_standins import (  # noqa: E402,F401
