@@ -37,6 +37,7 @@ from hal.metadata import AttentionMetadata, build_metadata, check_metadata_again
 from hal.plan import ForwardPlan
 from hal.protocols import AttentionKernel, KVPool
 from hal.spec import ForwardMode, LayerSpec, strict_ints
+from hal.tree import chain_tree_mask
 from hal.integrations.sglang.kv_pool import mirror_swa_pages, store_in_hal_pool
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
@@ -72,7 +73,7 @@ def tokens_per_request(forward_batch: Any) -> int:
     return n
 
 
-def verify_tree_mask(forward_batch: Any, rows: int, prefix_lens: list[int]) -> torch.Tensor | None:
+def verify_tree_mask(forward_batch: Any, rows: int, prefix_lens: list[int], *, placeholder: bool = False) -> torch.Tensor | None:
     """hal's ``[B, N, N]`` tree mask of a TARGET_VERIFY batch (host tensor), or None for a chain.
 
     SGLang says a verify batch is a chain with its verify input's ``tree_topk`` (or, on inputs
@@ -81,7 +82,9 @@ def verify_tree_mask(forward_batch: Any, rows: int, prefix_lens: list[int]) -> t
     two layouts SGLang builds, told apart by size: QLEN (an ``[N, N]`` block per request: its CPU
     path, NGRAM's) or FULL (per request ``N`` rows over ``prefix + N`` columns: its GPU kernels').
     A FULL row must see the whole prefix. Bit-packed masks, a mask of another size, and an input
-    that does not say its shape are refused by name.
+    that does not say its shape are refused by name. ``placeholder``: the batch a graph is captured
+    on, whose mask SGLang fills with placeholders (all visible) and every replay replaces: a tree is
+    then given a chain's mask of its shape, which is a tree.
     """
     spec = forward_batch.spec_info
     kind = getattr(getattr(spec, "spec_input_type", None), "name", type(spec).__name__)
@@ -91,6 +94,8 @@ def verify_tree_mask(forward_batch: Any, rows: int, prefix_lens: list[int]) -> t
     where = f"attention backend 'hal': the {kind} target-verify batch"
     if topk is None:
         raise UnsupportedConfigError(f"{where} does not say its tree's branching (no tree_topk or topk)")
+    if placeholder:
+        return chain_tree_mask(len(prefix_lens), rows)
     mask = getattr(spec, "custom_mask", None)
     if not isinstance(mask, torch.Tensor):
         raise SpecError(f"{where} is a tree (tree_topk={topk}) without a custom_mask tensor, got {mask!r}")
@@ -184,8 +189,12 @@ def metadata_from_forward_batch(
     max_pages: int | None = None,
     swa_pool: Any = None,
     window: int | None = None,
+    capture: bool = False,
 ) -> AttentionMetadata:
     """hal ``AttentionMetadata`` for an SGLang ``ForwardBatch`` over ``pool``.
+
+    ``capture``: the batch a graph is captured on (its verify tree is a placeholder, see
+    ``verify_tree_mask``).
 
     ``swa_pool``: the SGLang ``SWAKVPool`` whose storage ``pool`` is; its full-to-SWA mapping is
     mirrored into ``pool`` for this batch's pages first (``window``: the model's sliding window).
@@ -206,7 +215,8 @@ def metadata_from_forward_batch(
     page_table = page_table_from_req_to_token(rows, kv_lens, ps)
     tree = None
     if mode is ForwardMode.TARGET_VERIFY:
-        tree = verify_tree_mask(forward_batch, q_lens[0] if q_lens else 0, [k - q for k, q in zip(kv_lens, q_lens)])
+        tree = verify_tree_mask(forward_batch, q_lens[0] if q_lens else 0, [k - q for k, q in zip(kv_lens, q_lens)],
+                                placeholder=capture)
     if swa_pool is not None:
         mirror_swa_pages(swa_pool, pool, rows, page_table, kv_lens, q_lens, window)
     return build_metadata(
@@ -277,9 +287,10 @@ class HalAttnBackend(AttentionBackend):
         self._plan: ForwardPlan | None = None
 
     # -- metadata ----------------------------------------------------------------------------
-    def _metadata(self, forward_batch: Any, max_pages: int | None = None) -> AttentionMetadata:
+    def _metadata(self, forward_batch: Any, max_pages: int | None = None, capture: bool = False) -> AttentionMetadata:
         return metadata_from_forward_batch(
-            forward_batch, self.req_to_token, self.pool, max_pages=max_pages, swa_pool=self._swa_pool, window=self._window
+            forward_batch, self.req_to_token, self.pool, max_pages=max_pages, swa_pool=self._swa_pool, window=self._window,
+            capture=capture,
         )
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
@@ -299,7 +310,7 @@ class HalAttnBackend(AttentionBackend):
         under SGLang's own graph runners its values are copied into them here."""
         if forward_batch.forward_mode.is_idle():
             return
-        fresh = self._metadata(forward_batch, max_pages=self._graph_max_pages)
+        fresh = self._metadata(forward_batch, max_pages=self._graph_max_pages, capture=in_capture)
         check_metadata_against(fresh, self.pool)  # a replay runs no plan step: checked here, before any copy
         if self.replayed_by_hal_graphs:
             self.forward_metadata = fresh  # what hal's graph backend captures, or replays on

@@ -21,7 +21,7 @@ from hal.errors import CacheLocationError, GraphError, SpecError, UnsupportedCon
 from hal.integrations.sglang.plugin import bound_to  # noqa: E402
 from hal.integrations.sglang.attention import HalAttnBackend, page_table_from_req_to_token  # noqa: E402
 from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool as UnboundHalPool  # noqa: E402
-from hal.tree import tree_mask_from_parents  # noqa: E402
+from hal.tree import chain_tree_mask, tree_mask_from_parents  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
@@ -246,9 +246,10 @@ def test_an_ngram_tree_verify_attends_by_its_tree(layout: str, window: int | Non
     world.write_prefix(layer, reqs, prefix)
     fb = make_batch(ForwardMode.TARGET_VERIFY, world, reqs, prefix, [n, n])
     fb.spec_info = ngram_tree_verify(prefix, layout)
-    if graph:
+    if graph:  # captured on the batch (a placeholder tree), replayed on it (its tree)
         world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * n)
         world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        world.backend.init_forward_metadata_out_graph(fb)
     else:
         world.backend.init_forward_metadata(fb)
     md = world.backend.forward_metadata
@@ -262,6 +263,25 @@ def test_an_ngram_tree_verify_attends_by_its_tree(layout: str, window: int | Non
     torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
     chain = oracle(q, world, reqs, [n, n], [p + n for p in prefix], window)
     assert (chain - expect).abs().max() > 0.1  # the tree matters
+
+
+def test_a_tree_verify_graph_is_captured_on_a_placeholder_chain_and_replays_each_batchs_tree() -> None:
+    """SGLang captures a verify graph on placeholder inputs (an all-visible mask, of the size it
+    allocates): the capture takes a chain of the batch's shape, each replay the batch's own tree."""
+    world = World(HalMHATokenToKVPool, seed=4)
+    n = len(PARENTS)
+    world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * n)
+    capture = make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 4], [n, n])
+    capture.spec_info = eagle_verify(n, topk=2, custom_mask=torch.ones(1000, dtype=torch.bool))
+    world.backend.init_forward_metadata_out_graph(capture, in_capture=True)
+    static = world.backend.forward_metadata.tensors()
+    assert torch.equal(static["tree_mask"], chain_tree_mask(2, n))
+    replay = make_batch(ForwardMode.TARGET_VERIFY, world, [2, 3], [7, 9], [n, n])
+    replay.spec_info = ngram_tree_verify([7, 9], "qlen")
+    world.backend.init_forward_metadata_out_graph(replay)
+    md = world.backend.forward_metadata
+    assert md.tensors()["tree_mask"] is static["tree_mask"]  # the captured tensor, now holding the batch's trees
+    assert torch.equal(md.tree_mask, tree_mask_from_parents([PARENTS] * 2))
 
 
 def test_a_tree_mask_that_hides_the_prefix_or_is_no_tree_is_refused_before_anything_is_written() -> None:
