@@ -510,3 +510,20 @@ def test_tree_verify_on_consecutive_pages_is_read_in_place_and_matches_the_oracl
                                  hybrid=hybrid, contiguous=True, tree_parents=parents)
     assert_close(out, expect, dtype)
     assert in_place
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_tree_of_many_rows_through_torchs_fused_attention_matches_the_oracle(window, monkeypatch) -> None:
+    """A verify block of at least FUSED_MIN_ROWS rows with qk == v and no sinks goes through torch's
+    fused attention with the tree's mask."""
+    fused_calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: fused_calls.append(1) or original(*a, **k))
+    rng = random.Random(3)
+    n = cpu_kernel.FUSED_MIN_ROWS + 4
+    parents = [[-1] + [rng.randrange(i) for i in range(1, n)] for _ in range(2)]
+    layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5, sliding_window=window)
+    out, expect = run_cpu_kernel(M.TARGET_VERIFY, layer, [n + 7, n], [n, n], page_size=4, dtype=torch.float32, seed=2,
+                                 tree_parents=parents)
+    assert_close(out, expect, torch.float32)
+    assert fused_calls

@@ -235,3 +235,33 @@ def test_split_kv_matches_the_oracle(cuda: hal.Backend, num_splits: int | None, 
     got = triton_paged(*args, scaling=0.2, sliding_window=window, sinks=sink, query_rows_hint=q_len, num_splits=num_splits)
     expect = paged_oracle(*args, scaling=0.2, sliding_window=window, sinks=sink)
     torch.testing.assert_close(got.double(), expect, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window, sinks", [(None, False), (2, True)])
+def test_split_kv_over_a_tree_matches_the_oracle(cuda: hal.Backend, num_splits: int, window: int | None, sinks: bool) -> None:
+    """Tree verify with split-KV: each split masks its keys by the tree and the rows' depths."""
+    from hal.backends.cuda.triton_attention import paged_attention as triton_paged
+    from hal.oracle import paged_oracle
+    from hal.tree import tree_mask_from_parents
+
+    gen = torch.Generator().manual_seed(11)
+    ps, hkv, hq, dk, dv, pages = 16, 2, 4, 24, 20, 64
+    k_cache, v_cache = torch.randn(pages + 1, ps, hkv, dk, generator=gen), torch.randn(pages + 1, ps, hkv, dv, generator=gen)
+    parents = [[-1, 0, 0, 1, 2, 2], [-1, 0, 1, 1, 3, 0]]
+    n = len(parents[0])
+    kv_lens = torch.tensor([1000, n + 3], dtype=torch.int32)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    table[0] = torch.randperm(pages, generator=gen)[:64] + 1
+    table[1, :1] = 9
+    cu = torch.arange(3, dtype=torch.int32) * n
+    q = torch.randn(2 * n, hq, dk, generator=gen)
+    sink = torch.randn(hq, generator=gen) if sinks else None
+    tree = tree_mask_from_parents(parents)
+    args = (q, k_cache, v_cache, table, kv_lens, cu)
+    got = triton_paged(*args, scaling=0.2, sliding_window=window, sinks=sink, query_rows_hint=n, num_splits=num_splits,
+                       tree_mask=tree)
+    expect = paged_oracle(*args, scaling=0.2, sliding_window=window, sinks=sink, tree_mask=tree)
+    torch.testing.assert_close(got.double(), expect, atol=2e-5, rtol=2e-5)
+    chain = paged_oracle(*args, scaling=0.2, sliding_window=window, sinks=sink)
+    assert (chain - expect).abs().max() > 0.1  # the tree matters
