@@ -91,13 +91,16 @@ class BackendBase:
         query override this): the host's physical memory for a backend whose tensors live there."""
         return host_memory_bytes() if self.host_memory else None
 
-    def create_kv_pool(self, spec: KVPoolSpec) -> KVPool:
+    def create_kv_pool(self, spec: KVPoolSpec, *, storage: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> KVPool:
         """A split-K/V paged pool of ``kv_pool_class`` on this backend's device; a spec whose
-        buffers would not fit the device is refused (``PoolTooLargeError``) before allocating."""
+        buffers would not fit the device is refused (``PoolTooLargeError``) before allocating.
+        ``storage``: every layer's (K, V) buffers when the engine allocates the KV memory (one
+        ``[pages + 1, page_size, kv_heads, dim]`` tensor each, checked); the pool is then their view."""
         if not isinstance(spec, KVPoolSpec):
             raise SpecError(f"create_kv_pool: spec must be a hal.KVPoolSpec, got {type(spec).__name__}")
-        check_pool_size(spec, self.memory_bytes())
-        return self.kv_pool_class(spec, self.device)
+        if storage is None:
+            check_pool_size(spec, self.memory_bytes())
+        return self.kv_pool_class(spec, self.device, storage=storage)
 
     def create_attention(self, pool: KVPool) -> AttentionKernel:
         """An ``attention_class`` kernel over ``pool``."""

@@ -8,6 +8,7 @@ mapping and the validation live here once.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +29,11 @@ class SplitKVPool:
     (0 = unmapped; page 0 always maps to 0).
     """
 
-    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, spec: KVPoolSpec, device: torch.device | str = "cpu", *, storage: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> None:
+        """``storage``: the (K, V) tensors of every layer, by layer id, when an engine owns the
+        memory (one copy of the KV: the pool is a view of it); else the pool allocates its own."""
         self.spec = spec
         self.device = torch.device(device)
         full_ids = spec.full_layer_ids
@@ -43,12 +48,15 @@ class SplitKVPool:
         self._v: dict[str, torch.Tensor] = {}
         shapes = spec.buffer_shapes()
         check_pool_size(spec, None)
-        for name, (k_shape, v_shape) in shapes.items():
-            self._k[name] = self._allocate(k_shape)
-            self._v[name] = self._allocate(v_shape)
-        # Per-layer views into the sub-pool tensors (no copies), indexed by global layer id.
-        self._k_views = [self._k[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
-        self._v_views = [self._v[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
+        if storage is None:
+            for name, (k_shape, v_shape) in shapes.items():
+                self._k[name] = self._allocate(k_shape)
+                self._v[name] = self._allocate(v_shape)
+            # Per-layer views into the sub-pool tensors (no copies), indexed by global layer id.
+            self._k_views = [self._k[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
+            self._v_views = [self._v[self._where[i][0]][self._where[i][1]] for i in range(spec.num_layers)]
+        else:
+            self._k_views, self._v_views = self._adopt(storage, shapes)
         # The same views as [slots, kv_heads, dim], the shape set_kv writes rows into.
         self._k_rows = [b.view(-1, *b.shape[2:]) for b in self._k_views]
         self._v_rows = [b.view(-1, *b.shape[2:]) for b in self._v_views]
@@ -64,6 +72,45 @@ class SplitKVPool:
     # -- backend hooks -------------------------------------------------------------------
     def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.spec.dtype, device=self.device)
+
+    def _check_storage(self, buffer: torch.Tensor, where: str) -> None:
+        """Refuse an engine-owned layer buffer this backend's kernels cannot address (layout,
+        alignment); the core has checked its shape, dtype, device and contiguity."""
+
+    # -- engine-owned storage ----------------------------------------------------------------
+    def _adopt(
+        self, storage: Sequence[tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's (K, V) from ``storage``, checked: one layer each, the spec's shapes, dtype and
+        device, contiguous (kernels read a layer as ``[slots, heads, dim]`` rows), no two overlapping."""
+        if isinstance(storage, (str, bytes)) or not isinstance(storage, Sequence) or len(storage) != self.spec.num_layers:
+            got = len(storage) if isinstance(storage, Sequence) else type(storage).__name__
+            raise KVLayoutError(f"SplitKVPool storage: expected one (K, V) pair per layer ({self.spec.num_layers}), got {got}")
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        spans: list[tuple[int, int, str]] = []
+        for layer, pair in enumerate(storage):
+            sub = self._where[layer][0]
+            for which, tensor, shape in zip("KV", pair, (s[1:] for s in shapes[sub])):
+                where = f"SplitKVPool storage: layer {layer} {which}"
+                if not isinstance(tensor, torch.Tensor):
+                    raise KVLayoutError(f"{where} must be a tensor, got {type(tensor).__name__}")
+                if tuple(tensor.shape) != shape or tensor.dtype != self.spec.dtype or tensor.device != self.device:
+                    raise KVLayoutError(
+                        f"{where} is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}; expected {self.spec.dtype} "
+                        f"{shape} ([pages + 1, page_size, kv_heads, dim]) on {self.device}"
+                    )
+                if not tensor.is_contiguous():
+                    raise KVLayoutError(f"{where} has strides {tensor.stride()}; hal's kernels read a contiguous layer buffer")
+                self._check_storage(tensor, where)
+                start = tensor.data_ptr()
+                spans.append((start, start + tensor.numel() * tensor.element_size(), f"layer {layer} {which}"))
+                (ks if which == "K" else vs).append(tensor)
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise KVLayoutError(f"SplitKVPool storage: {first} and {second} overlap; every buffer needs memory of its own")
+        return ks, vs
 
     def _write_rows(self, buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
         """``buffer[loc[i]] = rows[i]``; ``buffer`` is a layer viewed as ``[slots, heads, dim]``."""
@@ -95,7 +142,10 @@ class SplitKVPool:
         return list(self._v_views)
 
     def sub_pool_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The contiguous (K, V) tensors of each sub-pool, e.g. for disaggregated transfer."""
+        """The contiguous (K, V) tensors of each sub-pool, e.g. for disaggregated transfer. A pool
+        over engine-owned storage has none: the engine holds (and transfers) its own memory."""
+        if not self._k:
+            raise KVLayoutError("sub_pool_buffers: this pool is a view of engine-owned storage, one buffer per layer")
         return {name: (self._k[name], self._v[name]) for name in self._k}
 
     def is_swa_layer(self, layer: int) -> bool:

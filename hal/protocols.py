@@ -174,8 +174,9 @@ class Backend(Protocol):
         """``probe().available``."""
         ...
 
-    def create_kv_pool(self, spec: KVPoolSpec) -> KVPool:
-        """A split-K/V paged pool on this backend's device."""
+    def create_kv_pool(self, spec: KVPoolSpec, *, storage: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> KVPool:
+        """A split-K/V paged pool on this backend's device; over ``storage`` (every layer's K and
+        V buffer, allocated by an engine) when given."""
         ...
 
     def create_attention(self, pool: KVPool) -> AttentionKernel:

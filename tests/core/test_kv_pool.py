@@ -479,3 +479,69 @@ def test_set_kv_copies_every_bit_pattern_exactly(dtype, heads, dim, strided) -> 
     untouched[loc] = False
     assert not kb[untouched].view(bits).any() and not vb[untouched].view(bits).any()
     assert torch.equal(pool.k_buffer(0).view(bits), before_other.view(bits))
+
+
+# -- engine-owned storage ---------------------------------------------------------------------
+
+
+def _engine_storage(spec: KVPoolSpec) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One flat engine allocation, every layer's K then V carved out of it in order."""
+    shapes = spec.buffer_shapes()
+    where = {layer: "full" for layer in spec.full_layer_ids} | {layer: "swa" for layer in (spec.swa.layer_ids if spec.swa else ())}
+    per_layer = [tuple(s[1:] for s in shapes[where[layer]]) for layer in range(spec.num_layers)]
+    total = sum(int(torch.Size(k).numel() + torch.Size(v).numel()) for k, v in per_layer)
+    raw = torch.full((total,), float("nan"), dtype=spec.dtype)
+    storage, at = [], 0
+    for k_shape, v_shape in per_layer:
+        pair = []
+        for shape in (k_shape, v_shape):
+            n = int(torch.Size(shape).numel())
+            pair.append(raw[at : at + n].view(shape))
+            at += n
+        storage.append((pair[0], pair[1]))
+    return raw, storage
+
+
+@CHEAP
+@given(data=st.data())
+def test_pool_over_engine_storage_writes_into_the_engines_memory(data) -> None:
+    """A pool made over an engine's tensors is their view: set_kv lands in the engine's memory,
+    at the slot the layout contract says, and the pool allocates nothing of its own."""
+    spec = data.draw(pool_specs().filter(lambda s: len(s.full_layer_ids) > 0))
+    raw, storage = _engine_storage(spec)
+    pool = CpuBackend().create_kv_pool(spec, storage=storage)
+    layer = data.draw(st.sampled_from(spec.full_layer_ids))  # full layers: slots need no SWA mapping
+    slots = pool.num_slots(layer)
+    loc = torch.tensor(data.draw(st.lists(st.integers(spec.page_size, slots - 1), min_size=1, max_size=4, unique=True)))
+    k_dim, v_dim = storage[layer][0].shape[3], storage[layer][1].shape[3]
+    heads = storage[layer][0].shape[2]
+    k = torch.randn(len(loc), heads, k_dim).to(spec.dtype)
+    v = torch.randn(len(loc), heads, v_dim).to(spec.dtype)
+    pool.set_kv(layer, loc, k, v)
+    page, offset = loc // spec.page_size, loc % spec.page_size
+    assert torch.equal(storage[layer][0][page, offset], k) and torch.equal(storage[layer][1][page, offset], v)
+    assert pool.k_buffer(layer).data_ptr() == storage[layer][0].data_ptr()
+    assert int((~raw.isnan()).sum()) == k.numel() + v.numel()  # nothing else in the engine's memory changed
+    with pytest.raises(KVLayoutError, match="engine-owned"):
+        pool.sub_pool_buffers()
+
+
+@pytest.mark.parametrize("bad", ["count", "shape", "dtype", "strided", "overlap"])
+def test_pool_over_bad_engine_storage_is_refused_by_name(bad: str) -> None:
+    spec = KVPoolSpec(num_layers=2, size=8, page_size=4, kv_heads=2, head_dim=8, v_head_dim=4, dtype=torch.float32)
+    _, storage = _engine_storage(spec)
+    expected = {"count": "one \\(K, V\\) pair per layer", "shape": "layer 1 K is", "dtype": "layer 0 V is",
+                "strided": "layer 1 V has strides", "overlap": "overlap"}[bad]
+    if bad == "count":
+        storage = storage[:1]
+    elif bad == "shape":
+        storage[1] = (storage[1][0][:2], storage[1][1])
+    elif bad == "dtype":
+        storage[0] = (storage[0][0], storage[0][1].half())
+    elif bad == "strided":
+        wide = torch.zeros(3, 4, 2, 8)
+        storage[1] = (storage[1][0], wide[..., ::2])
+    else:
+        storage[1] = (storage[0][0], storage[1][1])
+    with pytest.raises(KVLayoutError, match=expected):
+        CpuBackend().create_kv_pool(spec, storage=storage)

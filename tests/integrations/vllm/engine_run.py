@@ -1,0 +1,65 @@
+"""Run ``vllm.LLM`` on a checkpoint and print what it generated, as JSON on the line that starts with ``RESULT_MARK``.
+
+The tests run it in a fresh process per engine (vLLM resolves its platform once per process), with
+``HAL_VLLM_PLATFORM=1`` for hal and without it for vLLM's own CPU backend. Its one argument is a
+JSON object: ``model``, ``dtype``, ``block_size``, ``rounds`` (lists of prompts, generated one round
+after another so later rounds can hit the prefix cache), ``max_tokens``, and optional
+``max_num_batched_tokens`` (chunked prefill), ``speculative_config``, ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+#: The prefix of the line that carries the result (vLLM logs to the same stream).
+RESULT_MARK = "ENGINE_RESULT "
+
+
+def main(request: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    hal_calls = {"forward": 0}
+    try:
+        from hal.integrations.vllm.attention import HalAttentionImpl
+
+        forward = HalAttentionImpl.forward
+
+        def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            hal_calls["forward"] += 1
+            return forward(self, *args, **kwargs)
+
+        HalAttentionImpl.forward = counted  # type: ignore[method-assign]
+    except ImportError:  # vLLM's own backend only: hal's adapter is not importable without hal
+        pass
+    options = dict(
+        model=request["model"], skip_tokenizer_init=True, dtype=request.get("dtype", "float32"),
+        max_model_len=request.get("max_model_len", 512), enforce_eager=True, block_size=request.get("block_size", 32),
+        kv_cache_memory_bytes=request.get("kv_cache_memory_bytes", 64 << 20), seed=0, disable_log_stats=False,
+    )
+    if "max_num_batched_tokens" in request:
+        options["max_num_batched_tokens"] = request["max_num_batched_tokens"]
+        options["enable_chunked_prefill"] = True
+    if request.get("speculative_config"):
+        options["speculative_config"] = request["speculative_config"]
+    started = time.perf_counter()
+    llm = LLM(**options)
+    ready = time.perf_counter()
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True)
+    rounds = []
+    for prompts in request["rounds"]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        rounds.append([list(o.outputs[0].token_ids) for o in outputs])
+    done = time.perf_counter()
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
+    return {
+        "tokens": rounds, "hal_forwards": hal_calls["forward"], "start_s": ready - started, "generate_s": done - ready,
+        "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"), "spec_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
+        "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"),
+    }
+
+
+if __name__ == "__main__":
+    print(RESULT_MARK + json.dumps(main(json.loads(sys.argv[1]))), flush=True)
