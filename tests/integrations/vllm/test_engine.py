@@ -1,0 +1,68 @@
+"""hal inside ``vllm.LLM`` on the CPU, token for token against vLLM's own CPU attention backend.
+
+Batches as vLLM builds them: prompts that straddle its 32-token blocks, chunked prefill (a 48-token
+budget splits the long prompts, and decode rows of the short ones ride in the same forwards), and a
+second round whose prompts extend the first's (prefix-cache hits). Each model's tokens are checked
+to depend on attention (a prompt that differs only before its last two tokens continues differently).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from conftest import run_engine  # noqa: E402
+
+
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(3)
+    long = [rng.randrange(256) for _ in range(70)]
+    other = [rng.randrange(256) for _ in range(45)]
+    # Eight earlier tokens changed (inside every window), the last two kept: the continuation
+    # differs only through attention.
+    earlier_tokens_changed = [*long[:-10], *((t + 1) % 256 for t in long[-10:-2]), *long[-2:]]
+    rounds = [long, other, [5, 6, 7], earlier_tokens_changed]
+    again = [long + [rng.randrange(256) for _ in range(10)], other[:40] + [1, 2]]
+    return rounds, again
+
+
+def _request(model: Any, **extra: Any) -> dict[str, Any]:
+    first, second = _prompts()
+    return {"model": str(model), "rounds": [first, second], "max_tokens": 12, "max_num_batched_tokens": 48, **extra}
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("llama", "float32"), ("qwen3", "float32"), ("mistral", "float32"), ("llama", "bfloat16")])
+def test_hal_equals_vllms_cpu_backend(checkpoints: dict[str, Any], model: str, dtype: str) -> None:
+    request = _request(checkpoints[model], dtype=dtype)
+    ours, theirs = run_engine(request, hal=True), run_engine(request, hal=False)
+    assert ours["hal_forwards"] > 0 and theirs["hal_forwards"] == 0  # each engine ran the backend it names
+    assert ours["tokens"] == theirs["tokens"]
+    first_round = ours["tokens"][0]
+    assert first_round[0] != first_round[3], "the tokens do not depend on attention (earlier prompt tokens changed, same text)"
+    assert ours["prefix_cache_hits"] and ours["prefix_cache_hits"] >= 64  # the second round reused the first's blocks
+
+
+def test_the_window_test_sees_one_key(checkpoints: dict[str, Any]) -> None:
+    """hal maps vLLM's window (W keys, the query's own included) to its own (W - 1 keys before
+    it): on these prompts, a window one key wider gives other tokens, so an off-by-one in that
+    mapping would fail ``test_hal_equals_vllms_cpu_backend[mistral]``."""
+    narrow = run_engine(_request(checkpoints["mistral"]), hal=False)
+    wide = run_engine(_request(checkpoints["mistral-window-25"]), hal=False)
+    assert narrow["tokens"] != wide["tokens"]
+
+
+def test_ngram_speculation_through_hal_equals_plain_decoding(checkpoints: dict[str, Any]) -> None:
+    """vLLM's n-gram speculative decoding (the method its CPU build runs without a draft model):
+    its verify rows go through hal's kernel, and what it accepts equals plain greedy decoding."""
+    prompts = [[5, 6, 7], [1, 6, 7], [9, 9, 4, 2]]
+    plain = {"model": str(checkpoints["llama-repetitive"]), "rounds": [prompts], "max_tokens": 48}
+    speculative = {**plain, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                                    "prompt_lookup_min": 1}}
+    ours = run_engine(speculative, hal=True)
+    assert ours["tokens"] == run_engine(plain, hal=True)["tokens"] == run_engine(plain, hal=False)["tokens"]
+    assert ours["hal_forwards"] > 0
+    assert ours["spec_accepted"] and ours["spec_accepted"] > 0, ours
