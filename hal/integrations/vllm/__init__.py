@@ -29,5 +29,6 @@ VLLM_INTERNALS: dict[str, tuple[str, ...]] = {
     "vllm.config": ("get_layers_from_vllm_config",),
     "vllm.model_executor.layers.attention": ("Attention",),
     "vllm.platforms.cpu": ("CpuPlatform",),
-    "vllm.platforms.cuda": ("CudaPlatform",),
+    # Also named, untested here (no CUDA, no vllm-ascend): vllm.platforms.cuda.CudaPlatform and
+    # vllm_ascend.platform.NPUPlatform, the bases of hal's platform on those devices.
 }

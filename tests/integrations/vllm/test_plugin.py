@@ -1,0 +1,59 @@
+"""The vLLM adapter's pieces without an engine: the internals it names exist, the platform is
+opt-in, the K/V planes over a layer cache, and what the backend refuses, by name."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from hal.errors import KVLayoutError, UnsupportedConfigError  # noqa: E402
+from hal.integrations.vllm import VLLM_INTERNALS  # noqa: E402
+from hal.integrations.vllm.attention import HalAttentionImpl, layer_planes  # noqa: E402
+from hal.integrations.vllm.plugin import PLATFORM_ENV, activate_platform  # noqa: E402
+from hal.spec import KVPoolSpec  # noqa: E402
+
+
+@pytest.mark.parametrize("module", sorted(VLLM_INTERNALS))
+def test_every_named_vllm_internal_exists(module: str) -> None:
+    loaded = importlib.import_module(module)
+    for name in VLLM_INTERNALS[module]:
+        target = loaded
+        for part in name.split("."):
+            assert hasattr(target, part), f"{module}.{name} is gone"
+            target = getattr(target, part)
+
+
+def test_the_platform_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PLATFORM_ENV, raising=False)
+    assert activate_platform() is None
+    monkeypatch.setenv(PLATFORM_ENV, "1")
+    assert activate_platform() == "hal.integrations.vllm.platform.HalPlatform"
+
+
+def test_layer_planes_are_k_then_v_over_the_layers_memory() -> None:
+    spec = KVPoolSpec(num_layers=1, size=8, page_size=4, kv_heads=2, head_dim=3, v_head_dim=2, dtype=torch.float32)
+    cache = torch.arange(3 * 2 * 4 * 5, dtype=torch.float32).view(3, 2, 4, 5)  # vLLM's [B, H, N, D + Dv]
+    k, v = layer_planes(cache, spec, "layer")
+    assert k.shape == (3, 4, 2, 3) and v.shape == (3, 4, 2, 2)
+    assert k.data_ptr() == cache.data_ptr() and v.data_ptr() == cache.data_ptr() + 3 * 4 * 2 * 3 * 4
+    assert torch.equal(k.reshape(-1), torch.arange(72, dtype=torch.float32))
+    with pytest.raises(KVLayoutError, match="dense elements"):
+        layer_planes(torch.zeros(3, 2, 8, 5)[:, :, ::2], spec, "layer")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("alibi_slopes", [0.5, 0.25]), ("logits_soft_cap", 30.0), ("kv_sharing_target_layer_name", "model.layers.0.attn"),
+     ("kv_cache_dtype", "fp8"), ("attn_type", "encoder_only")],
+)
+def test_what_hal_does_not_compute_is_refused_at_construction(option: str, value: object) -> None:
+    options: dict[str, object] = dict(num_heads=2, head_size=32, scale=0.1, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+                                      kv_cache_dtype="auto")
+    options[option] = value
+    with pytest.raises(UnsupportedConfigError, match=option):
+        HalAttentionImpl(**options)  # type: ignore[arg-type]
