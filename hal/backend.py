@@ -98,8 +98,9 @@ class BackendBase:
         ``[pages + 1, page_size, kv_heads, dim]`` tensor each, checked); the pool is then their view."""
         if not isinstance(spec, KVPoolSpec):
             raise SpecError(f"create_kv_pool: spec must be a hal.KVPoolSpec, got {type(spec).__name__}")
-        if storage is None:
+        if storage is None:  # a pool class of its own may take no storage
             check_pool_size(spec, self.memory_bytes())
+            return self.kv_pool_class(spec, self.device)
         return self.kv_pool_class(spec, self.device, storage=storage)
 
     def create_attention(self, pool: KVPool) -> AttentionKernel:
