@@ -8,6 +8,8 @@ per-dtype tolerance.
 
 from __future__ import annotations
 
+import copy
+import json
 import random
 from pathlib import Path
 from collections.abc import Sequence
@@ -326,16 +328,107 @@ def save_published_copy(checkpoint: Path | str, directory: Path | str) -> Path:
     return target
 
 
-def save_random_llama(directory: Path | str, **sizes: int) -> Path:
+def save_random_llama(directory: Path | str, *, initializer_range: float = 0.3, **sizes: int) -> Path:
     """A random fp32 Llama saved by transformers, its weights drawn with a large spread
-    (``initializer_range=0.3``) so that attention decides the greedy tokens."""
+    (``initializer_range=0.3``) so that attention decides the greedy tokens (a smaller spread
+    leaves the tokens more predictable from the last one, as a draft model needs)."""
     import transformers
 
     fields: dict[str, Any] = {
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512, **sizes,
-        "initializer_range": 0.3, "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32",
+        "initializer_range": initializer_range, "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32",
     }  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).save_pretrained(directory)
     return Path(directory)
+
+
+#: The largest possible gap between two of the draft's logits (a float32 probability stays under 1: 1 - 3e-7 at most).
+EAGLE_DRAFT_MAX_LOGIT_GAP = 15.0
+
+
+def save_distilled_eagle_draft(target: Path | str, directory: Path | str, *, sequences: int = 256, length: int = 48, steps: int = 400,
+                               seed: int = 0) -> Path:
+    """A small EAGLE draft model for a target Llama, in SGLang's ``LlamaForCausalLMEagle`` format,
+    distilled from the target so that its drafts are often (not always) right.
+
+    EAGLE's draft reads, at position ``p``, the embedding of token ``p + 1`` and the target's last
+    hidden state at ``p`` (after the final norm), mixes them with ``fc`` and runs one Llama decoder
+    layer without its input norm and without a final norm (SGLang's ``LlamaForCausalLMEagle``); the
+    target's embedding and LM head are shared (SGLang's EAGLE worker hands them to the draft, so the
+    checkpoint holds neither). Here the layer's attention is random and its MLP silent, and ``fc`` is
+    trained to the target's greedy token at ``p + 1``.
+
+    Its probabilities stay away from 1 whatever it reads: EAGLE's tree scores are products of them,
+    and a probability that rounds to 1 in float32 lets a child tie its parent and be chosen without
+    it, a tree SGLang's tree kernel does not define (it warns and reads past the row). Every input
+    row has a bounded norm (an embedding row; a hidden state after an RMS norm), attention mixes
+    value rows, so the draft's output norm is at most ``|fc(x)| * (1 + |o_proj| |v_proj|)`` (spectral
+    norms); ``fc`` is scaled after each step so that no two logits can differ by more than
+    ``EAGLE_DRAFT_MAX_LOGIT_GAP``.
+    """
+    import transformers
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, use_kernels=False).eval()
+    model.generation_config.eos_token_id = None  # every sequence runs its full length
+    model.generation_config.pad_token_id = 0
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    with torch.no_grad():
+        prompts = torch.randint(0, config.vocab_size, (sequences, length // 3))
+        tokens = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=length - prompts.shape[1],
+                                do_sample=False)
+        outputs = model.model(input_ids=tokens)
+        hidden = outputs.last_hidden_state  # after the final norm, as SGLang's Llama hands it on
+        labels = model.lm_head(hidden).argmax(-1)  # the target's greedy token after each position
+    embed, head = model.model.embed_tokens, model.lm_head
+
+    config.initializer_range = 0.02
+    draft: Any = transformers.LlamaModel(config)
+    layer: Any = draft.layers[0]
+    draft.embed_tokens = None
+    layer.input_layernorm = torch.nn.Identity()
+    draft.norm = torch.nn.Identity()
+    attention = layer.self_attn
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.zero_()
+    draft.requires_grad_(False)
+    fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size)
+    optimizer = torch.optim.Adam(fc.parameters(), lr=3e-3)
+    # Row p: token p + 1 and the target's hidden state at p; the label is the target's token after p + 1.
+    inputs = torch.cat([embed(tokens[:, 1:]).detach(), hidden[:, :-1]], dim=-1)
+    positions = torch.arange(length - 1).expand(sequences, -1)
+    target_tokens = labels[:, 1:]
+
+    def spectral(w: torch.Tensor) -> float:
+        return float(torch.linalg.matrix_norm(w, ord=2))
+
+    with torch.no_grad():
+        row_bound = (float(embed.weight.norm(dim=1).max()) ** 2
+                     + config.hidden_size * float(model.model.norm.weight.abs().max()) ** 2) ** 0.5
+        mixing = 1 + spectral(attention.o_proj.weight) * spectral(attention.v_proj.weight)
+        logit_per_norm = 2 * float(head.weight.norm(dim=1).max())
+    for _ in range(steps):
+        optimizer.zero_grad()
+        out = draft(inputs_embeds=fc(inputs), position_ids=positions).last_hidden_state
+        loss = torch.nn.functional.cross_entropy(head(out).flatten(0, 1), target_tokens.flatten())
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            gap = (spectral(fc.weight) * row_bound + float(fc.bias.norm())) * mixing * logit_per_norm
+            if gap > EAGLE_DRAFT_MAX_LOGIT_GAP:
+                fc.weight.mul_(EAGLE_DRAFT_MAX_LOGIT_GAP / gap)
+                fc.bias.mul_(EAGLE_DRAFT_MAX_LOGIT_GAP / gap)
+
+    weights = {name: t.detach().contiguous() for name, t in draft.state_dict().items() if not name.startswith("rotary")}
+    weights.update({"fc.weight": fc.weight.detach().contiguous(), "fc.bias": fc.bias.detach().contiguous()})
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(directory / "model.safetensors"))
+    fields = json.loads((Path(target) / "config.json").read_text())
+    fields.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    (directory / "config.json").write_text(json.dumps(fields, indent=2))
+    return directory

@@ -75,8 +75,15 @@ SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
     ),
     "sglang.srt.platforms.device_mixin": ("DeviceMixin.is_out_of_tree", "DeviceMixin.empty_cache", "DeviceMixin.synchronize"),
     "sglang.srt.platforms": ("_resolve_platform", "current_platform"),
-    # Patched (patches/): the draft-extend table asks the platform; the MTP model syncs through it.
-    "sglang.srt.speculative.draft_utils": ("DraftBackendFactory._create_backend", "DraftBackendFactory.create_draft_extend_backend"),
+    # Patched (patches/): the draft-extend and multi-step draft-decode tables ask the platform; the MTP model syncs through it.
+    "sglang.srt.speculative.draft_utils": (
+        "DraftBackendFactory._create_backend", "DraftBackendFactory.create_draft_extend_backend",
+        "DraftBackendFactory.create_decode_backend",
+    ),
+    # Where EAGLE's draft decode puts each branch's draft tokens (hal's draft_branch_rows follows it),
+    # and how its worker reaches the per-step backends (attn_backends[i]).
+    "sglang.srt.speculative.eagle_worker_common": ("prepare_for_draft", "duplicate_prefix_tail_to_draft_branches"),
+    "sglang.srt.speculative.eagle_utils": ("per_step_draft_out_cache_loc",),
     "sglang.srt.models.mimo_v2_nextn": ("MiMoV2MTP.set_embed_and_head",),
     "sglang.srt.mem_cache.base_swa_memory_pool": ("BaseSWAKVPool.swa_req_ring_size", "BaseSWAKVPool.register_mapping"),
     "sglang.srt.platforms.cpu": ("CpuSRTPlatform",),

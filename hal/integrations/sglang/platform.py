@@ -105,3 +105,13 @@ class HalPlatform(_IN_TREE):  # type: ignore[misc]
 
             return HalMultiLayerEagleDraftExtendRunner
         return super().get_speculative_graph_runner_cls(algorithm, phase)  # type: ignore[no-any-return]
+
+    def create_speculative_draft_decode_backend(self, backend: str, draft_model_runner: Any, topk: int, num_steps: int) -> Any:
+        """The multi-step draft decode backend SGLang's EAGLE worker drafts with (asked once
+        ``patches/draft_utils_platform_draft_backends.patch`` is applied): hal's, over this
+        platform's hal backend."""
+        if backend != NAME:
+            raise UnsupportedConfigError(f"SGLANG_PLATFORM={NAME} drafts with attention backend {NAME!r} only, got {backend!r}")
+        from hal.integrations.sglang.attention import HalMultiStepDraftBackend
+
+        return HalMultiStepDraftBackend(draft_model_runner, self.hal_backend, topk, num_steps)

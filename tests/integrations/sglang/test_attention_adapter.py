@@ -406,3 +406,50 @@ def test_the_adapter_takes_the_backend_the_edge_resolved_and_looks_none_up() -> 
     world = World(MHATokenToKVPool, seed=1)
     with pytest.raises(UnsupportedConfigError, match="backend must be a hal.Backend"):
         HalAttnBackend(world.runner, "cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_multi_step_draft_decode_branches_see_the_prefix_and_their_own_drafts(topk: int) -> None:
+    """EAGLE's multi-step draft decode with pages of 4 tokens, laid out as SGLang's
+    ``prepare_for_draft`` lays it out (with ``topk > 1`` each branch owns whole pages from the
+    prefix's last full page on, its first slots a copy of the prefix's tail): at step ``s`` branch
+    ``j`` of a request sees the prefix and its own drafts ``0..s``, against a dense oracle."""
+    from hal.integrations.sglang.attention import HalMultiStepDraftBackend
+
+    steps, reqs, seq_lens = 3, [1, 6], [6, 9]
+    world = World(HalMHATokenToKVPool, seed=11 + topk)
+    layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, layer_id=1,
+                           v_head_dim=V_HEAD_DIM)
+    world.write_prefix(layer, reqs, seq_lens)
+    draft_k = torch.randn((len(reqs), topk, steps, KV_HEADS, HEAD_DIM), generator=world.gen, dtype=torch.float64)
+    draft_v = torch.randn((len(reqs), topk, steps, KV_HEADS, V_HEAD_DIM), generator=world.gen, dtype=torch.float64)
+    slots = torch.zeros((len(reqs), topk, steps), dtype=torch.int64)
+    for b, (r, n) in enumerate(zip(reqs, seq_lens)):
+        tail = n % PAGE if topk > 1 else 0
+        pages_per_branch = -(-(tail + steps) // PAGE) if topk > 1 else 0
+        for j in range(topk):
+            start = n - tail + j * pages_per_branch * PAGE
+            copy = world.req_to_token[r, start : start + tail].long()  # the prefix tail's copy in this branch's page
+            world.pool.set_kv_buffer(layer, copy, world.k[r, n - tail : n].float(), world.v[r, n - tail : n].float())
+            slots[b, j] = world.req_to_token[r, start + tail : start + tail + steps]
+    backend = HalMultiStepDraftBackend(world.runner, hal.get_backend("cpu"), topk, steps)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor(seq_lens), seq_lens_cpu=torch.tensor(seq_lens),
+                                  req_pool_indices=torch.tensor(reqs), out_cache_loc=slots.reshape(-1))
+    backend.init_forward_metadata(batch)
+    group = Q_HEADS // KV_HEADS
+    for step, child in enumerate(backend.attn_backends):
+        q = torch.randn((len(reqs) * topk, Q_HEADS, HEAD_DIM), generator=world.gen)
+        k_new, v_new = draft_k[:, :, step].reshape(-1, KV_HEADS * HEAD_DIM), draft_v[:, :, step].reshape(-1, KV_HEADS * V_HEAD_DIM)
+        out = child.forward_decode(q.reshape(len(q), -1), k_new.float(), v_new.float(), layer, batch)
+        expected = []
+        for b, (r, n) in enumerate(zip(reqs, seq_lens)):
+            for j in range(topk):
+                k = torch.cat([world.k[r, :n], draft_k[b, j, : step + 1]]).repeat_interleave(group, dim=1)
+                v = torch.cat([world.v[r, :n], draft_v[b, j, : step + 1]]).repeat_interleave(group, dim=1)
+                scores = torch.einsum("hd,khd->hk", q[b * topk + j].double(), k) * HEAD_DIM**-0.5
+                expected.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v).reshape(-1))
+        torch.testing.assert_close(out.double(), torch.stack(expected), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(world.pool.get_key_buffer(1)[slots[:, :, step].reshape(-1)], k_new.float().reshape(-1, KV_HEADS, HEAD_DIM))
+    short = types.SimpleNamespace(**{**vars(batch), "out_cache_loc": slots.reshape(-1)[1:]})
+    with pytest.raises(SpecError, match="out_cache_loc"):
+        backend.init_forward_metadata(short)

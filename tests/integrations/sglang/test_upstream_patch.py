@@ -24,7 +24,7 @@ import hal.integrations.sglang  # noqa: E402
 
 PATCHES = Path(hal.integrations.sglang.__file__).parent / "patches"
 WORKER = ("multi_layer_eagle_worker_v2_oot_draft_extend_runner.patch", "python/sglang/srt/speculative/multi_layer_eagle_worker_v2.py")
-DRAFT_UTILS = ("draft_utils_platform_draft_extend_backend.patch", "python/sglang/srt/speculative/draft_utils.py")
+DRAFT_UTILS = ("draft_utils_platform_draft_backends.patch", "python/sglang/srt/speculative/draft_utils.py")
 MIMO_NEXTN = ("mimo_v2_nextn_platform_empty_cache.patch", "python/sglang/srt/models/mimo_v2_nextn.py")
 ALLOCATION = ("allocation_get_last_loc_host_tensors.patch", "python/sglang/srt/mem_cache/allocation.py")
 ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION]
@@ -93,6 +93,10 @@ class _Platform:
         self.asked.append((algorithm, backend))
         return backend == "plugin-backend"
 
+    def create_speculative_draft_decode_backend(self, backend: str, runner: object, topk: int, num_steps: int) -> object:
+        self.asked.append(("draft decode", backend, topk, num_steps))
+        return types.SimpleNamespace(runner=runner, attn_backends=[types.SimpleNamespace() for _ in range(num_steps - 1)])
+
     def empty_cache(self) -> None:
         self.asked.append(("empty_cache",))
 
@@ -151,6 +155,20 @@ def draft_extend_backend(module: types.ModuleType, platform: _Platform, backend:
     return module.DraftBackendFactory(runner, topk=1, speculative_num_steps=3).create_draft_extend_backend()
 
 
+def draft_decode_backend(module: types.ModuleType, platform: _Platform, backend: str, monkeypatch: pytest.MonkeyPatch) -> object:
+    """``DraftBackendFactory.create_decode_backend`` (EAGLE's multi-step draft decode, topk 4, 3 steps)."""
+    import sglang.srt.layers.attention.attention_registry as registry
+
+    monkeypatch.setitem(registry.ATTENTION_BACKENDS, "plugin-backend", lambda runner: types.SimpleNamespace(runner=runner))
+    module.attention_backends = lambda: (backend, backend)
+    module.get_spec = lambda: types.SimpleNamespace(speculative_algorithm="EAGLE", speculative_attention_mode="prefill")
+    module._assert_draft_needs_no_conv_sidecar = lambda runner: None
+    if hasattr(module, "current_platform"):
+        module.current_platform = platform
+    runner = types.SimpleNamespace(draft_attention_backend=None)
+    return module.DraftBackendFactory(runner, topk=4, speculative_num_steps=3).create_decode_backend()
+
+
 def test_patched_draft_tables_take_the_platforms_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     unpatched, patched = before_and_after(tmp_path, *DRAFT_UTILS)
     with pytest.raises(ValueError, match="EAGLE is not supported in attention backend plugin-backend"):
@@ -162,6 +180,16 @@ def test_patched_draft_tables_take_the_platforms_backend(tmp_path: Path, monkeyp
     # a backend the platform does not vouch for is refused as before
     with pytest.raises(ValueError, match="EAGLE is not supported in attention backend torch_native"):
         draft_extend_backend(patched, _Platform(), "torch_native", monkeypatch)
+    # Multi-step draft decode: the fixed table refuses the plugin's backend; patched, the platform builds the container.
+    with pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend plugin-backend"):
+        draft_decode_backend(unpatched, _Platform(), "plugin-backend", monkeypatch)
+    platform = _Platform()
+    container = draft_decode_backend(patched, platform, "plugin-backend", monkeypatch)
+    assert ("draft decode", "plugin-backend", 4, 3) in platform.asked
+    assert len(container.attn_backends) == 2
+    assert all(child.decode_attention_backend_str == "plugin-backend" for child in container.attn_backends)
+    with pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend torch_native"):
+        draft_decode_backend(patched, _Platform(), "torch_native", monkeypatch)
 
 
 def test_patched_mimo_mtp_asks_the_platform_to_synchronize(tmp_path: Path) -> None:

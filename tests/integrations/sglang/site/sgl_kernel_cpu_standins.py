@@ -264,7 +264,7 @@ def build_tree_kernel_efficient_cpu(
         for pp in range(n - 1):
             if selected[b][pp] == wanted:
                 return pp + 1
-        raise StandInError(f"request {b}: draft token {token}'s parent {wanted} is not among the selected tokens")
+        raise StandInError(f"request {b}: draft token {token}'s parent {wanted} is not among the selected tokens {selected[b]} (parents {parents[b]})")
 
     prefix = 0
     for b, seq_len in enumerate(seq_lens):

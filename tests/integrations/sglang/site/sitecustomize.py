@@ -45,11 +45,21 @@ def _log_hal_forwards(path: str) -> None:
                 original = cls.init_forward_metadata
 
                 def init_forward_metadata(self, forward_batch):  # type: ignore[no-untyped-def]
+                    original(self, forward_batch)
+                    tree = " tree" if getattr(self.forward_metadata, "tree_mask", None) is not None else ""
                     with open(path, "a") as log:
-                        log.write(f"{forward_batch.forward_mode.name} {type(self.sgl_pool).__name__}\n")
-                    return original(self, forward_batch)
+                        log.write(f"{forward_batch.forward_mode.name} {type(self.sgl_pool).__name__}{tree}\n")
 
                 cls.init_forward_metadata = init_forward_metadata
+                multi_step = module.HalMultiStepDraftBackend
+                original_multi_step = multi_step.init_forward_metadata
+
+                def init_multi_step_metadata(self, forward_batch):  # type: ignore[no-untyped-def]
+                    original_multi_step(self, forward_batch)
+                    with open(path, "a") as log:
+                        log.write(f"DRAFT_DECODE_STEPS topk={self.topk} steps={self.speculative_num_steps}\n")
+
+                multi_step.init_forward_metadata = init_multi_step_metadata
 
             spec.loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
             return spec
