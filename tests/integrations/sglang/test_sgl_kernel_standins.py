@@ -163,6 +163,19 @@ def test_build_tree_of_a_chain_and_of_a_branching_tree() -> None:
                                             positions, ri, nt, ns, 2, 2, n, 2)  # fmt: skip
 
 
+
+def test_build_tree_refuses_a_token_whose_parent_was_not_selected() -> None:
+    """topk 2, 3 steps, 6 tree tokens: choice 8 (step 2) descends from choice 2 (step 1), which a
+    tie left out of the selection (SGLang's kernel warns and reads past the row for it)."""
+    n = 6
+    tree_mask = torch.ones(n * n, dtype=torch.bool)
+    positions = torch.zeros(n, dtype=torch.long)
+    ri, nt, ns = (torch.full((1, n), -1, dtype=torch.long) for _ in range(3))
+    with pytest.raises(ops.StandInError, match="draft token 5's parent 2 is not among the selected tokens"):
+        ops.build_tree_kernel_efficient_cpu(torch.tensor([[-1, 0, 1, 4, 2]]), torch.tensor([[0, 1, 4, 6, 8]]), torch.tensor([7]),
+                                            tree_mask, positions, ri, nt, ns, 2, 3, n, 1)  # fmt: skip
+
+
 def test_verify_tree_greedy_accepts_the_matching_path() -> None:
     """Chain 0 -> 1 -> 2 -> 3: the target agrees with drafts 1 and 2, not 3."""
     candidates = torch.tensor([[50, 51, 52, 53]])

@@ -234,7 +234,10 @@ def build_tree_kernel_efficient_cpu(
     root when that is 0). Fills ``positions`` (seq_len + depth), the retrieve links (first child,
     next sibling, newest first) and the tree mask rows (each token sees its ancestors and itself):
     mode 0 (FULL_MASK) rows of ``seq_len + N`` after the prefix columns, mode 1 (QLEN_ONLY) rows of
-    N. The bit-packed mode 2 is refused (as SGLang's own Triton version refuses it)."""
+    N. The bit-packed mode 2 is refused (as SGLang's own Triton version refuses it). A token whose
+    parent was not selected (a child that tied its parent's score) is refused: SGLang's kernel
+    warns, leaves it unlinked and fills its mask row by reading past the request's row, which
+    defines no result to stand in for."""
     n = draft_token_num
     if int(tree_mask_mode) not in (0, 1):
         raise StandInError(f"tree_mask_mode {int(tree_mask_mode)} (bit-packed) is not defined here; expected 0 or 1")
