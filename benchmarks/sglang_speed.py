@@ -4,6 +4,8 @@
         python benchmarks/sglang_speed.py [--prompt-lens 128 900] [--dtypes float32 float16] [--repeats 5]
     PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
         python benchmarks/sglang_speed.py --mtp [--prompt-lens 1024] [--batch 4] [--new-tokens 64] [--repeats 5]
+    PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
+        python benchmarks/sglang_speed.py --eagle [--prompt-lens 64] [--batch 4] [--new-tokens 32] [--repeats 5]
 
 Both engines serve the same random Llama (saved by transformers) side by side; each timed sample is
 one ``generate`` of ``--batch`` prompts with ``--new-tokens`` greedy tokens, the two backends
@@ -100,6 +102,69 @@ def bench_mtp(args: argparse.Namespace) -> int:
     return 0 if all_same else 1
 
 
+def bench_eagle(args: argparse.Namespace) -> int:
+    """EAGLE with an EAGLE draft model, topk 1, 2 and 4, against plain decoding inside sglang.Engine,
+    all through hal: a random Llama and a draft distilled from it (``save_distilled_eagle_draft``)."""
+    import sglang
+
+    from hal.tools.testing import save_distilled_eagle_draft
+
+    steps = 3
+    root = Path(tempfile.mkdtemp())
+    # test_eagle_engine.py's pair: on a larger random Llama a one-layer draft distilled this briefly is never accepted.
+    target = save_random_llama(root / "target", initializer_range=0.02)
+    draft = save_distilled_eagle_draft(target, root / "draft")
+    topks = (1, 2, 4)
+
+    def start(topk: int | None) -> Any:
+        spec = {} if topk is None else dict(
+            speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft), speculative_num_steps=steps,
+            speculative_eagle_topk=topk, speculative_num_draft_tokens=min(1 + steps * topk, 8) if topk > 1 else steps + 1)
+        return sglang.Engine(model_path=str(target), device="cpu", attention_backend="hal", dtype="float32", skip_tokenizer_init=True,
+                             disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, sleep_on_idle=True, **spec)
+
+    gen = torch.Generator().manual_seed(1)
+    length = (args.prompt_lens or [64])[0]
+    prompts = torch.randint(1, 256, (args.batch, length), generator=gen).tolist()
+    params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+    engines: dict[str, Any] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    accepts: dict[str, float] = {}
+    try:
+        # Each accept length is read while its engine is the newest (SGLang's front end reads process-wide settings).
+        for topk in topks:
+            name = f"topk {topk}"
+            engines[name] = start(topk)
+            out = engines[name].generate(input_ids=prompts, sampling_params=params)
+            tokens[name] = [o["output_ids"] for o in out]
+            accepts[name] = sum(len(o["output_ids"]) - 1 for o in out) / sum(o["meta_info"]["spec_verify_ct"] for o in out)
+        engines["plain"] = start(None)
+        tokens["plain"] = [o["output_ids"] for o in engines["plain"].generate(input_ids=prompts, sampling_params=params)]
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        names = list(engines)
+        for i in range(args.repeats):
+            for name in names[i % len(names):] + names[: i % len(names)]:  # a rotating order
+                begin = time.perf_counter()
+                engines[name].generate(input_ids=prompts, sampling_params=params)
+                rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - begin))
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, prompts of {length} tokens, {args.new_tokens} new tokens, "
+          f"{args.repeats} rotating rounds, {steps} draft steps")
+    print("| EAGLE | tok/s | plain tok/s | EAGLE / plain (median) | spread | accept length | same tokens as plain |")
+    print("|---|---|---|---|---|---|---|")
+    all_same = True
+    for topk in topks:
+        name = f"topk {topk}"
+        ratios = [e / p for e, p in zip(rates[name], rates["plain"])]
+        same = tokens[name] == tokens["plain"]
+        all_same &= same
+        print(f"| {name} | {statistics.median(rates[name]):.1f} | {statistics.median(rates['plain']):.1f} | {statistics.median(ratios):.2f} "
+              f"| {min(ratios):.2f}-{max(ratios):.2f} | {accepts[name]:.2f} | {'yes' if same else 'no'} |")
+    return 0 if all_same else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     import sglang
 
@@ -111,9 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mtp", action="store_true", help="multi-layer EAGLE vs plain decoding on hal's tiny MiMo-V2-Flash")
+    parser.add_argument("--eagle", action="store_true",
+                        help="EAGLE with a distilled draft model, topk 1, 2 and 4, vs plain decoding on a random Llama")
     args = parser.parse_args(argv)
     if args.mtp:
         return bench_mtp(args)
+    if args.eagle:
+        return bench_eagle(args)
     model = Path(tempfile.mkdtemp()) / "llama"
     save_random_llama(model, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                       max_position_embeddings=2048)
