@@ -47,6 +47,30 @@ def run_engine(request: dict[str, Any], *, hal: bool) -> dict[str, Any]:
     return json.loads(lines[-1][len(RESULT_MARK):])  # type: ignore[no-any-return]
 
 
+#: Two bfloat16 steps of a logit in [8, 16) (these checkpoints' range): within it, the two engines'
+#: different summation orders can rank two tokens either way.
+BF16_TIE = 2 * 2.0**-4
+
+
+def assert_same_greedy_tokens(ours: dict[str, Any], theirs: dict[str, Any], *, tie: float) -> None:
+    """Both engines chose the same tokens, except where the two likeliest were within ``tie`` of each
+    other in both engines' log-probabilities (a rounding tie, not a wrong attention); the request's
+    comparison stops there, as its later text continues from a different token. Needs ``logprobs=2``."""
+    rounds = zip(ours["tokens"], theirs["tokens"], ours["likeliest"], theirs["likeliest"], strict=True)
+    for round_index, (our_round, their_round, our_top, their_top) in enumerate(rounds):
+        for request, (a, b, a_top, b_top) in enumerate(zip(our_round, their_round, our_top, their_top, strict=True)):
+            assert len(a) == len(b)
+            position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if position is None:
+                continue
+            gaps = [top[position][0][1] - top[position][1][1] for top in (a_top, b_top)]
+            ranked = {frozenset(pair[0] for pair in top[position]) for top in (a_top, b_top)}
+            assert ranked == {frozenset((a[position], b[position]))} and max(gaps) <= tie, (
+                f"round {round_index} request {request}: token {position} is {a[position]} through hal and {b[position]} "
+                f"through vLLM's backend, and not a tie: top-2 {a_top[position]} vs {b_top[position]} (gaps {gaps}, tie {tie})"
+            )
+
+
 def _save(model: Any, directory: Path) -> Path:
     model.save_pretrained(directory)
     return directory

@@ -4,7 +4,8 @@ The tests run it in a fresh process per engine (vLLM resolves its platform once 
 ``HAL_VLLM_PLATFORM=1`` for hal and without it for vLLM's own CPU backend. Its one argument is a
 JSON object: ``model``, ``dtype``, ``block_size``, ``rounds`` (lists of prompts, generated one round
 after another so later rounds can hit the prefix cache), ``max_tokens``, and optional
-``max_num_batched_tokens`` (chunked prefill), ``speculative_config``, ``max_model_len``.
+``max_num_batched_tokens`` (chunked prefill), ``speculative_config``, ``max_model_len``, ``logprobs``
+(how many of the most likely tokens to report at each generated position, as ``[token, logprob]`` pairs).
 """
 
 from __future__ import annotations
@@ -47,17 +48,21 @@ def main(request: dict) -> dict:
     started = time.perf_counter()
     llm = LLM(**options)
     ready = time.perf_counter()
-    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True)
-    rounds = []
+    top = request.get("logprobs")
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, logprobs=top)
+    rounds, likeliest = [], []
     for prompts in request["rounds"]:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
+        if top:
+            likeliest.append([[sorted(([t, lp.logprob] for t, lp in position.items()), key=lambda pair: -pair[1])[:top]
+                               for position in o.outputs[0].logprobs] for o in outputs])
     done = time.perf_counter()
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
     return {
         "tokens": rounds, "hal_forwards": hal_calls["forward"], "start_s": ready - started, "generate_s": done - ready,
         "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"), "spec_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
-        "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"),
+        "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"), "likeliest": likeliest,
     }
 
 
