@@ -348,10 +348,16 @@ def save_random_llama(directory: Path | str, *, initializer_range: float = 0.3, 
 EAGLE_DRAFT_MAX_LOGIT_GAP = 15.0
 
 
+#: The architecture an EAGLE draft's config names, per engine (vLLM names the target's and maps it
+#: to ``EagleLlamaForCausalLM`` itself).
+EAGLE_DRAFT_ARCHITECTURES = {"sglang": "LlamaForCausalLMEagle", "vllm": "LlamaForCausalLM"}
+
+
 def save_distilled_eagle_draft(target: Path | str, directory: Path | str, *, sequences: int = 256, length: int = 48, steps: int = 400,
-                               seed: int = 0) -> Path:
-    """A small EAGLE draft model for a target Llama, in SGLang's ``LlamaForCausalLMEagle`` format,
-    distilled from the target so that its drafts are often (not always) right.
+                               seed: int = 0, engine: str = "sglang") -> Path:
+    """A small EAGLE draft model for a target Llama, in ``engine``'s format (SGLang's
+    ``LlamaForCausalLMEagle``, or vLLM's ``EagleLlamaForCausalLM``: the same layout, ``fc`` without
+    a bias, the target's architecture named in the config), distilled from the target so that its drafts are often (not always) right.
 
     EAGLE's draft reads, at position ``p``, the embedding of token ``p + 1`` and the target's last
     hidden state at ``p`` (after the final norm), mixes them with ``fc`` and runs one Llama decoder
@@ -371,6 +377,8 @@ def save_distilled_eagle_draft(target: Path | str, directory: Path | str, *, seq
     import transformers
     from safetensors.torch import save_file
 
+    if engine not in EAGLE_DRAFT_ARCHITECTURES:
+        raise ValueError(f"engine={engine!r}: expected one of {sorted(EAGLE_DRAFT_ARCHITECTURES)}")
     directory = Path(directory)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(target, use_kernels=False).eval()
@@ -397,7 +405,7 @@ def save_distilled_eagle_draft(target: Path | str, directory: Path | str, *, seq
     with torch.no_grad():
         layer.mlp.down_proj.weight.zero_()
     draft.requires_grad_(False)
-    fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size)
+    fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=engine == "sglang")
     optimizer = torch.optim.Adam(fc.parameters(), lr=3e-3)
     # Row p: token p + 1 and the target's hidden state at p; the label is the target's token after p + 1.
     inputs = torch.cat([embed(tokens[:, 1:]).detach(), hidden[:, :-1]], dim=-1)
@@ -419,16 +427,17 @@ def save_distilled_eagle_draft(target: Path | str, directory: Path | str, *, seq
         loss.backward()
         optimizer.step()
         with torch.no_grad():
-            gap = (spectral(fc.weight) * row_bound + float(fc.bias.norm())) * mixing * logit_per_norm
+            bias_norm = float(fc.bias.norm()) if fc.bias is not None else 0.0
+            gap = (spectral(fc.weight) * row_bound + bias_norm) * mixing * logit_per_norm
             if gap > EAGLE_DRAFT_MAX_LOGIT_GAP:
-                fc.weight.mul_(EAGLE_DRAFT_MAX_LOGIT_GAP / gap)
-                fc.bias.mul_(EAGLE_DRAFT_MAX_LOGIT_GAP / gap)
+                for parameter in fc.parameters():
+                    parameter.mul_(EAGLE_DRAFT_MAX_LOGIT_GAP / gap)
 
     weights = {name: t.detach().contiguous() for name, t in draft.state_dict().items() if not name.startswith("rotary")}
-    weights.update({"fc.weight": fc.weight.detach().contiguous(), "fc.bias": fc.bias.detach().contiguous()})
+    weights.update({f"fc.{name}": t.detach().contiguous() for name, t in fc.state_dict().items()})
     directory.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(directory / "model.safetensors"))
     fields = json.loads((Path(target) / "config.json").read_text())
-    fields.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    fields.update(architectures=[EAGLE_DRAFT_ARCHITECTURES[engine]], num_hidden_layers=1)
     (directory / "config.json").write_text(json.dumps(fields, indent=2))
     return directory

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from hal.integrations.vllm.plugin import PLATFORM_ENV
+from hal.tools.testing import save_distilled_eagle_draft
 
 ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
 
@@ -79,8 +80,8 @@ def _save(model: Any, directory: Path) -> Path:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Random transformers checkpoints: a Llama with GQA, a Qwen3 (q/k norm), a Mistral with a
-    sliding window of 24 keys (and the same weights with 25), and a Llama whose greedy text repeats
-    itself (for n-gram speculation)."""
+    sliding window of 24 keys (and the same weights with 25), a Llama whose greedy text repeats
+    itself (for n-gram speculation), and a small Llama with an EAGLE draft distilled from it."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -97,6 +98,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made["mistral"] = _save(mistral, root / "mistral")
     mistral.config.sliding_window = 25
     made["mistral-window-25"] = _save(mistral, root / "mistral-window-25")
+    torch.manual_seed(0)
+    made["llama-eagle-target"] = _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**common, "initializer_range": 0.02})),
+                                       root / "llama-eagle-target")
+    made["eagle-draft"] = save_distilled_eagle_draft(made["llama-eagle-target"], root / "eagle-draft", engine="vllm", sequences=128,
+                                                     steps=150)
     torch.manual_seed(0)
     made["llama-repetitive"] = _save(
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**common, "initializer_range": 0.1})), root / "llama-repetitive"

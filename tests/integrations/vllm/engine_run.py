@@ -23,14 +23,16 @@ def main(request: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     hal_calls = {"forward": 0}
+    hal_layers: set[str] = set()
     try:
         from hal.integrations.vllm.attention import HalAttentionImpl
 
         forward = HalAttentionImpl.forward
 
-        def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def counted(self, layer, *args, **kwargs):  # type: ignore[no-untyped-def]
             hal_calls["forward"] += 1
-            return forward(self, *args, **kwargs)
+            hal_layers.add(layer.layer_name)
+            return forward(self, layer, *args, **kwargs)
 
         HalAttentionImpl.forward = counted  # type: ignore[method-assign]
     except ImportError:  # vLLM's own backend only: hal's adapter is not importable without hal
@@ -60,7 +62,7 @@ def main(request: dict) -> dict:
     done = time.perf_counter()
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
     return {
-        "tokens": rounds, "hal_forwards": hal_calls["forward"], "start_s": ready - started, "generate_s": done - ready,
+        "tokens": rounds, "hal_forwards": hal_calls["forward"], "hal_layers": sorted(hal_layers), "start_s": ready - started, "generate_s": done - ready,
         "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"), "spec_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
         "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"), "likeliest": likeliest,
     }

@@ -73,6 +73,20 @@ def test_ngram_speculation_through_hal_equals_plain_decoding(checkpoints: dict[s
     assert ours["spec_accepted"] and ours["spec_accepted"] > 0, ours
 
 
+def test_eagle_speculation_through_hal_equals_plain_decoding(checkpoints: dict[str, Any]) -> None:
+    """vLLM's EAGLE proposer on the CPU: the draft model's layer and the target's verify rows both go
+    through hal's kernel, and what vLLM accepts equals plain greedy decoding with vLLM's own backend."""
+    prompts = [[5, 6, 7], [1, 6, 7, 100, 3], [9, 9, 4, 2]]
+    plain = {"model": str(checkpoints["llama-eagle-target"]), "rounds": [prompts], "max_tokens": 32}
+    speculative = {**plain, "speculative_config": {"method": "eagle", "model": str(checkpoints["eagle-draft"]),
+                                                    "num_speculative_tokens": 3}}
+    ours = run_engine(speculative, hal=True)
+    assert ours["tokens"] == run_engine(plain, hal=False)["tokens"]
+    target_layers = {f"model.layers.{i}.self_attn.attn" for i in range(2)}
+    assert set(ours["hal_layers"]) == target_layers | {"model.layers.2.self_attn.attn"}, ours["hal_layers"]  # the draft's layer is numbered after the target's
+    assert ours["spec_accepted"] and ours["spec_accepted"] > 0, ours
+
+
 def test_the_tie_rule_refuses_a_clear_difference() -> None:
     """The bfloat16 comparison forgives a tie in both engines and nothing else."""
     tokens = {"tokens": [[[1, 2]]], "likeliest": [[[[[1, -0.1], [5, -3.0]], [[2, -1.0], [3, -1.0625]]]]]}
