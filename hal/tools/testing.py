@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from hal.allocator import KVAllocator, RequestPageTable
+from hal.errors import UnsupportedConfigError
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.oracle import OracleAttention
 from hal.protocols import AttentionKernel, Backend, KVPool
@@ -378,7 +379,7 @@ def save_distilled_eagle_draft(target: Path | str, directory: Path | str, *, seq
     from safetensors.torch import save_file
 
     if engine not in EAGLE_DRAFT_ARCHITECTURES:
-        raise ValueError(f"engine={engine!r}: expected one of {sorted(EAGLE_DRAFT_ARCHITECTURES)}")
+        raise UnsupportedConfigError(f"engine={engine!r}: expected one of {sorted(EAGLE_DRAFT_ARCHITECTURES)}")
     directory = Path(directory)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(target, use_kernels=False).eval()
