@@ -511,18 +511,16 @@ def _attend_group(
     # Autograd keeps what it saves for the backward: a buffer the next layer overwrites must not be one.
     reuse = workspace if not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
                                                           or (sinks is not None and sinks.requires_grad))) else None
+    # [n * rows, Hq, Dk] fp32, unscaled: every path below applies ``scaling`` inside its kernel
     qt = q[group.q_rows] if isinstance(group.q_rows, slice) else _gather_rows(q, group.q_rows, reuse)
-    if reuse is not None and qt.dtype == torch.float32:
-        qt = torch.mul(qt, scaling, out=reuse.take("q-scaled", tuple(qt.shape), torch.float32, qt.device))
-    else:
-        qt = qt.float() * scaling  # [n * rows, Hq, Dk]
+    qt = qt.float().contiguous()
     fused_tile = sinks is None and dk == dv and rows >= FUSED_MIN_ROWS
     strided = _strided_views(k_cache, v_cache, group, dk)
     if strided is not None:
         keys, values = strided
         mask, unseen = group.strided_blocked, group.strided_unseen_index
     elif group.views is not None and not group.causal_square and (group.page_ids is None or not fused_tile):
-        return _rows_of(_attend_in_place(qt, k_cache, v_cache, group, sinks), group.zero_rows)
+        return _rows_of(_attend_in_place(qt, k_cache, v_cache, group, scaling, sinks), group.zero_rows)
     else:
         assert group.page_ids is not None  # a group without page ids is read in place
         keys_per_tile = group.pages * v_cache.shape[1]
@@ -539,7 +537,7 @@ def _attend_group(
             raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
         k, v = keys[:, : group.causal_square], values[:, : group.causal_square]
         ctx = torch.nn.functional.scaled_dot_product_attention(
-            qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=1.0,
+            qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scaling,
             enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
     elif fused_tile:
@@ -547,11 +545,11 @@ def _attend_group(
         # tiles). GQA as hal defines it: query head h reads kv head h // G.
         ctx = torch.nn.functional.scaled_dot_product_attention(
             qt.view(n, rows, hq, dk).transpose(1, 2), keys.transpose(1, 2), values[..., :dv].transpose(1, 2),
-            attn_mask=None if mask is None else mask.view(-1, 1, rows, keys.shape[1]).logical_not(), scale=1.0,
+            attn_mask=None if mask is None else mask.view(-1, 1, rows, keys.shape[1]).logical_not(), scale=scaling,
             enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
     else:
-        ctx = _attention(qt, keys, values, mask, sinks, dv, group.flash_masks if strided is not None else None)
+        ctx = _attention(qt, keys, values, mask, sinks, dv, scaling, group.flash_masks if strided is not None else None)
     return _rows_of(ctx, group.zero_rows)
 
 
@@ -564,9 +562,14 @@ def _rows_of(ctx: torch.Tensor, zero_rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def _explicit_attention(
-    qt: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None, sinks: torch.Tensor | None
+    qt: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocked: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scaling: float,
 ) -> torch.Tensor:
-    """``[n, Hkv, G, rows, Dv]`` from the scaled fp32 query rows ``qt [n * rows, Hq, Dk]`` of ``n``
+    """``[n, Hkv, G, rows, Dv]`` from the fp32 query rows ``qt [n * rows, Hq, Dk]`` of ``n``
     tiles, their ``keys [n, K, Hkv, Dk]`` and ``values [n, K, Hkv, Dv]`` (gathered, or views of the
     cache) and the mask ``blocked [n or 1, 1, 1, rows, K]`` (None: every row sees every key): a
     tile's query heads of one kv head ride as extra query rows, and the sink is one more logit in
@@ -574,7 +577,7 @@ def _explicit_attention(
     n, num_keys, hkv, dk = keys.shape
     hq, dv = qt.shape[1], values.shape[3]
     g, rows = hq // hkv, qt.shape[0] // n
-    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk)
+    qh = qt.view(n, rows, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * rows, dk) * scaling
     scores = _per_kv_head_matmul(qh, keys.permute(0, 2, 3, 1)).view(n, hkv, g, rows, num_keys)
     if blocked is not None:
         scores.masked_fill_(blocked, float("-inf"))
@@ -598,6 +601,7 @@ def _attention(
     blocked: torch.Tensor | None,
     sinks: torch.Tensor | None,
     dv: int,
+    scaling: float,
     flash_masks: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[n, Hkv, G, rows, Dv]`` of fp32 ``keys``/``values`` (``values`` at least ``dv`` wide): the
@@ -608,7 +612,7 @@ def _attention(
     more term of each row's softmax denominator: ``out * sigmoid(lse - sink)``. ``flash_masks``:
     where the flash kernel's form of ``blocked`` is kept across the layers of a forward."""
     if _FLASH_CPU is None or values.shape[3] != keys.shape[3]:
-        return _explicit_attention(qt, keys, values[..., :dv], blocked, sinks)
+        return _explicit_attention(qt, keys, values[..., :dv], blocked, sinks, scaling)
     n, num_keys, hkv, dk = keys.shape
     hq = qt.shape[1]
     g, rows = hq // hkv, qt.shape[0] // n
@@ -619,12 +623,11 @@ def _attention(
         mask = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
         if flash_masks is not None:
             flash_masks[g] = mask
-    out, lse = _FLASH_CPU(qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=1.0)
-    ctx = out[..., :dv]
-    if sinks is not None:
-        sink = sinks.float().view(1, hkv, g, 1).expand(n, hkv, g, rows).reshape(n, hkv, g * rows)
-        ctx = ctx * torch.sigmoid(lse - sink)[..., None]
-    return ctx.reshape(n, hkv, g, rows, dv)
+    out, lse = _FLASH_CPU(qh, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scaling)
+    ctx = out.view(n, hkv, g, rows, -1)[..., :dv]
+    if sinks is not None:  # lse [n, Hkv, G * rows] less each query head's sink, broadcast over rows
+        ctx = ctx * torch.sigmoid(lse.view(n, hkv, g, rows, 1) - sinks.view(1, hkv, g, 1, 1).float())
+    return ctx
 
 
 def _strided_views(
@@ -658,7 +661,7 @@ def _strided_view(cache: torch.Tensor, group: TileGroup, width: int | None = Non
 
 
 def _attend_in_place(
-    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, sinks: torch.Tensor | None
+    qt: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: TileGroup, scaling: float, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """``_explicit_attention`` for a group whose tiles read consecutive pages, one tile at a time:
     each tile's K/V is a view of the cache (no gather), only the keys some row of it sees."""
@@ -681,7 +684,7 @@ def _attend_in_place(
             unseen = None if group.unseen is None else group.unseen[i, first:end]
         if unseen is not None:
             k, v = k.masked_fill(unseen, 0.0), v.masked_fill(unseen, 0.0)
-        tiles.append(_attention(qt[i * rows : (i + 1) * rows], k[None], v[None], mask, sinks, v.shape[2]))
+        tiles.append(_attention(qt[i * rows : (i + 1) * rows], k[None], v[None], mask, sinks, v.shape[2], scaling))
     return torch.cat(tiles)
 
 
