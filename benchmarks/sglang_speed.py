@@ -4,6 +4,7 @@
         python benchmarks/sglang_speed.py [--prompt-lens 128 900] [--dtypes float32 float16] [--repeats 5]
     PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
         python benchmarks/sglang_speed.py --mtp [--prompt-lens 1024] [--batch 4] [--new-tokens 64] [--repeats 5]
+    PYTHONPATH=tests/integrations/sglang/site python benchmarks/sglang_speed.py --attention-step [--kv-lens 150 940] [--threads 1 2]
     PYTHONPATH=tests/integrations/sglang/site SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=hal \\
         python benchmarks/sglang_speed.py --eagle [--prompt-lens 64] [--batch 4] [--new-tokens 32] [--repeats 5]
 
@@ -165,6 +166,71 @@ def bench_eagle(args: argparse.Namespace) -> int:
     return 0 if all_same else 1
 
 
+def bench_attention_step(args: argparse.Namespace) -> int:
+    """The attention backends alone, outside the engine: one decode step of hal's backend against
+    SGLang's ``torch_native`` on the same pool, request table and ForwardBatch (the step's metadata
+    from SGLang's request table, then the layers), as SGLang's CPU path lays out a batch: pages of
+    one token, each request's prompt on consecutive slots, each decode step's slots handed out
+    across the batch. Same shapes as the engine rows' Llama."""
+    import types
+
+    import hal
+    from hal.integrations.sglang.attention import HalAttnBackend
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    q_heads, kv_heads, head_dim, layers, prompt = 8, 2, 32, 4, 128
+    batch, gen = args.batch, torch.Generator().manual_seed(0)
+    print(f"batch {batch}, {layers} layers, {q_heads} q and {kv_heads} kv heads of {head_dim}, prompts of {prompt} tokens, "
+          f"medians of {args.repeats} alternating blocks of 100 steps")
+    print("| threads | kv length | hal ms/step | torch_native ms/step | hal / torch_native time (median) | spread |")
+    print("|---|---|---|---|---|---|")
+    worst = 0.0
+    for kv_len in args.kv_lens:
+        pool = MHATokenToKVPool(size=batch * kv_len + 1, page_size=1, dtype=torch.float32, head_num=kv_heads, head_dim=head_dim,
+                                layer_num=layers, device="cpu", enable_memory_saver=False)
+        for i in range(layers):
+            pool.k_buffer[i].normal_(generator=gen), pool.v_buffer[i].normal_(generator=gen)
+        req_to_token = torch.zeros((batch, kv_len), dtype=torch.int32)
+        for r in range(batch):
+            req_to_token[r, :prompt] = 1 + r * prompt + torch.arange(prompt)
+            req_to_token[r, prompt:] = 1 + batch * prompt + torch.arange(kv_len - prompt) * batch + r
+        runner = types.SimpleNamespace(device="cpu", req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+                                       token_to_kv_pool=pool, model_config=types.SimpleNamespace(context_len=kv_len))
+        backends = {"hal": HalAttnBackend(runner, hal.get_backend("cpu")), "torch_native": TorchNativeAttnBackend(runner)}
+        radix = [RadixAttention(q_heads, head_dim, head_dim**-0.5, kv_heads, i) for i in range(layers)]
+        seq_lens = torch.full((batch,), kv_len)
+        fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=batch, input_ids=torch.zeros(batch, dtype=torch.long),
+                          req_pool_indices=torch.arange(batch), seq_lens=seq_lens, out_cache_loc=req_to_token[:, -1].long(),
+                          seq_lens_sum=batch * kv_len)
+        fb.seq_lens_cpu, fb.token_to_kv_pool, fb.req_to_token_pool = seq_lens, pool, runner.req_to_token_pool
+        q = torch.randn(batch, q_heads * head_dim, generator=gen)
+        k, v = torch.randn(batch, kv_heads, head_dim, generator=gen), torch.randn(batch, kv_heads, head_dim, generator=gen)
+
+        def step(backend: Any) -> torch.Tensor:
+            backend.init_forward_metadata(fb)
+            return torch.stack([backend.forward_decode(q, k, v, layer, fb).reshape(batch, -1) for layer in radix])
+
+        difference = float((step(backends["hal"]) - step(backends["torch_native"])).abs().max())
+        worst = max(worst, difference)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            times: dict[str, list[float]] = {name: [] for name in backends}
+            for i in range(args.repeats):
+                for name in backends if i % 2 == 0 else reversed(list(backends)):
+                    begin = time.perf_counter()
+                    for _ in range(100):
+                        step(backends[name])
+                    times[name].append((time.perf_counter() - begin) * 10)  # ms per step
+            ratios = [h / n for h, n in zip(times["hal"], times["torch_native"])]
+            print(f"| {threads} | {kv_len} | {statistics.median(times['hal']):.2f} | {statistics.median(times['torch_native']):.2f} "
+                  f"| {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} |", flush=True)
+    print(f"largest output difference between the backends: {worst:.2e}")
+    return 0 if worst < 1e-4 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     import sglang
 
@@ -178,7 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mtp", action="store_true", help="multi-layer EAGLE vs plain decoding on hal's tiny MiMo-V2-Flash")
     parser.add_argument("--eagle", action="store_true",
                         help="EAGLE with a distilled draft model, topk 1, 2 and 4, vs plain decoding on a random Llama")
+    parser.add_argument("--attention-step", action="store_true",
+                        help="hal's attention backend vs torch_native's on one decode step, outside the engine")
+    parser.add_argument("--kv-lens", type=int, nargs="+", default=[150, 940], help="with --attention-step: the steps' kv lengths")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --attention-step: torch threads")
     args = parser.parse_args(argv)
+    if args.attention_step:
+        return bench_attention_step(args)
     if args.mtp:
         return bench_mtp(args)
     if args.eagle:
