@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hal.errors import SpecError, UnsupportedConfigError
+from hal.errors import BackendUnavailableError, SpecError, UnsupportedConfigError
 from hal.graph import EagerGraph, GraphBase
 from hal.kv_pool import SplitKVPool, check_pool_size
 from hal.protocols import Availability, AttentionKernel, KVPool
@@ -58,8 +58,12 @@ class BackendBase:
     #: real size instead of padding it to a captured one and copying it into static buffers.
     captures_graphs: ClassVar[bool] = False
 
-    def __init__(self, index: int | None = None) -> None:
+    def __init__(self, index: int | None = None, *, emulated: bool = False) -> None:
+        if emulated and self.probe_emulation() is None:
+            raise BackendUnavailableError(f"backend {self.name!r} has no emulator (its probe_emulation() returns None)")
         self.index = index
+        #: Runs on the backend's CPU emulator of its vendor runtime, held by this instance only.
+        self.emulated = emulated
         self.device = self._tensor_device(index)
 
     def _tensor_device(self, index: int | None) -> torch.device:
@@ -74,6 +78,13 @@ class BackendBase:
         raise NotImplementedError(f"{cls.__name__} must implement probe()")
 
     @classmethod
+    def probe_emulation(cls) -> Availability | None:
+        """Whether this backend can run on a CPU emulator of its runtime (``emulated=True``, what
+        ``hal.get_backend(device, emulate=True)`` builds); None when it has no emulator. An emulated
+        instance reaches its emulator through handles of its own: it changes nothing process-wide."""
+        return None
+
+    @classmethod
     def is_available(cls) -> bool:
         """``probe().available``."""
         return cls.probe().available
@@ -84,6 +95,8 @@ class BackendBase:
         local_rank = int_at_least(local_rank, 0, "for_rank: local_rank")
         if self.host_memory or local_rank == 0:
             return self
+        if self.emulated:
+            return type(self)((self.index or 0) + local_rank, emulated=True)
         return type(self)((self.index or 0) + local_rank)
 
     def memory_bytes(self) -> int | None:
@@ -98,10 +111,16 @@ class BackendBase:
         ``[pages + 1, page_size, kv_heads, dim]`` tensor each, checked); the pool is then their view."""
         if not isinstance(spec, KVPoolSpec):
             raise SpecError(f"create_kv_pool: spec must be a hal.KVPoolSpec, got {type(spec).__name__}")
+        options = self.kv_pool_options()
         if storage is None:  # a pool class of its own may take no storage
             check_pool_size(spec, self.memory_bytes())
-            return self.kv_pool_class(spec, self.device)
-        return self.kv_pool_class(spec, self.device, storage=storage)
+            return self.kv_pool_class(spec, self.device, **options)
+        return self.kv_pool_class(spec, self.device, storage=storage, **options)
+
+    def kv_pool_options(self) -> dict[str, Any]:
+        """Keyword arguments ``kv_pool_class`` is built with beside spec, device and storage (a
+        backend's runtime handles, which its kernel then reads from the pool); none by default."""
+        return {}
 
     def create_attention(self, pool: KVPool) -> AttentionKernel:
         """An ``attention_class`` kernel over ``pool``."""
@@ -164,4 +183,4 @@ class BackendBase:
         """Wait for all queued device work (a no-op where work runs synchronously)."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(device={self.device})"
+        return f"{type(self).__name__}(device={self.device}{', emulated' if self.emulated else ''})"

@@ -136,8 +136,10 @@ def backend_class(device_type: str) -> type:
         raise BackendUnavailableError(f"backend {device_type!r}: {module_name} has no {attr!r}") from exc
 
 
-def _probe(cls: type) -> Availability:
+def _probe(cls: type, *, emulated: bool = False) -> Availability:
     try:
+        if emulated:
+            return cls.probe_emulation()  # type: ignore[attr-defined, no-any-return]
         return cls.probe()  # type: ignore[attr-defined, no-any-return]
     except Exception as exc:  # a probe must not take the registry down
         return Availability(False, f"probe failed: {type(exc).__name__}: {exc}")
@@ -173,8 +175,9 @@ def _device_hint(device_type: str) -> str:
 def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -> Backend:
     """The backend bundle for ``device`` (``"npu"``, ``"npu:1"``, ``"cuda"``, ``"cpu"``, ``"auto"``).
 
-    ``emulate=True`` asks the backend to install its CPU stand-in for the vendor runtime first
-    (the backend class's ``install_emulation()``); it is never done implicitly.
+    ``emulate=True`` builds the backend on its CPU emulator of the vendor runtime (its class's
+    ``probe_emulation()`` says whether it has one). The emulator belongs to that instance:
+    nothing is installed in the process, so every other library still sees the real machine.
     """
     device_type, index = parse_device(device)
     with _lock:
@@ -199,16 +202,13 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
         key = (device_type, index, emulate)
         if key in _instances:
             cached = _instances[key]
-            if _probe(type(cached)).available:
+            if _probe(type(cached), emulated=emulate).available:
                 return cached  # type: ignore[no-any-return]
-            del _instances[key]  # the runtime it was built on has gone (e.g. an emulator uninstalled): build anew
+            del _instances[key]  # the runtime it was built on has gone: build anew
         cls = backend_class(device_type)
-        if emulate:
-            install = getattr(cls, "install_emulation", None)
-            if install is None:
-                raise BackendUnavailableError(f"backend {device_type!r} has no emulator (no install_emulation())")
-            install()
-        availability = _probe(cls)
+        if emulate and not has_emulator(device_type):
+            raise BackendUnavailableError(f"backend {device_type!r} has no emulator (its probe_emulation() returns None)")
+        availability = _probe(cls, emulated=emulate)
         if not availability.available:
             hint = _INSTALL_HINT.get(device_type, "")
             raise BackendUnavailableError(
@@ -218,7 +218,7 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
             raise BackendUnavailableError(
                 f"device {device_type}:{index} does not exist: {availability.device_count} {device_type} device(s) found"
             )
-        instance = cls(index=index)
+        instance = cls(index=index, emulated=True) if emulate else cls(index=index)
         _instances[key] = instance
         return instance  # type: ignore[no-any-return]
 
@@ -245,9 +245,10 @@ def auto_order() -> list[str]:
 
 
 def has_emulator(device_type: str) -> bool:
-    """Whether the backend for ``device_type`` offers a CPU emulator (``install_emulation()``)."""
+    """Whether the backend for ``device_type`` offers a CPU emulator (``probe_emulation()`` answers)."""
     try:
-        return callable(getattr(backend_class(device_type), "install_emulation", None))
+        probe = getattr(backend_class(device_type), "probe_emulation", None)
+        return callable(probe) and probe() is not None
     except (BackendUnavailableError, UnknownDeviceError):
         return False
 

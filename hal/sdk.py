@@ -27,7 +27,8 @@ Adding a backend (device type ``mydev``; ``tests/tools/oot_backend/site/hal_oot_
    live on the host, a cheap ``probe()`` that never imports
    the vendor runtime eagerly, ``auto_priority`` if ``"auto"`` may pick it; override
    ``synchronize``/``graph_memory_pool`` where they are not no-ops. Optional
-   ``install_emulation()`` classmethod for ``emulate=True``.
+   ``probe_emulation()`` classmethod and an ``emulated`` keyword on ``__init__`` for ``emulate=True``
+   (the emulator reached through the instance, never installed process-wide).
 6. **Register** it from your distribution's ``pyproject.toml``::
 
        [project.entry-points."hal.backends"]

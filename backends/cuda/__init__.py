@@ -1,8 +1,11 @@
 """The CUDA backend: Triton paged attention, ``torch.cuda.CUDAGraph``, indexed-copy KV writes.
 
 Importing this module does not import triton; the kernel module is imported on the first
-attention call. ``CudaBackend.install_emulation()`` (what ``hal.get_backend("cuda", emulate=True)``
-calls) switches the process to the Triton CPU interpreter so the same kernels run on CPU tensors.
+attention call. ``hal.get_backend("cuda", emulate=True)`` builds a backend whose tensors live on the
+host and whose kernels run in the Triton CPU interpreter. That one switch is process-wide
+(``TRITON_INTERPRET=1`` before triton is imported): Triton decides at its own import whether its
+standard library (the combine functions of ``tl.max``...) is compiled or interpreted, and an
+interpreted kernel cannot call a compiled one, so interpretation cannot be scoped to one backend.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -30,6 +33,25 @@ def _triton_version() -> str | None:
         return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _interpreter_blocked() -> str | None:
+    """Why the Triton interpreter can no longer be switched on in this process, or None."""
+    if os.environ.get(_INTERPRET_ENV) != "1" and ("triton" in sys.modules or "hal.backends.cuda.triton_attention" in sys.modules):
+        return (
+            f"cuda emulation must start before triton is imported, but triton is already imported with "
+            f"{_INTERPRET_ENV}={os.environ.get(_INTERPRET_ENV)!r}; set {_INTERPRET_ENV}=1 in the environment "
+            "or call hal.get_backend('cuda', emulate=True) before anything imports triton"
+        )
+    return None
+
+
+def interpret_triton() -> None:
+    """Switch Triton to its CPU interpreter (process-wide; see the module doc)."""
+    blocked = _interpreter_blocked()
+    if blocked is not None:
+        raise BackendUnavailableError(blocked)
+    os.environ[_INTERPRET_ENV] = "1"
 
 
 class CudaBackend(BackendBase):
@@ -51,11 +73,11 @@ class CudaBackend(BackendBase):
     attention_class = CudaAttention
     graph_class = CudaGraph
     captures_graphs = True
-    _emulation: ClassVar[bool] = False
 
-    def __init__(self, index: int | None = None) -> None:
-        self.emulated = type(self)._emulation
-        super().__init__(index)
+    def __init__(self, index: int | None = None, *, emulated: bool = False) -> None:
+        if emulated:
+            interpret_triton()
+        super().__init__(index, emulated=emulated)
 
     def _tensor_device(self, index: int | None) -> torch.device:
         if self.emulated:
@@ -69,38 +91,11 @@ class CudaBackend(BackendBase):
         return host_memory_bytes()  # emulated: the tensors live on the host
 
     @classmethod
-    def install_emulation(cls) -> None:
-        """Run the Triton kernels on CPU tensors in the Triton interpreter (process-wide, explicit only).
-
-        Must happen before triton is imported: ``@triton.jit`` picks compiled or interpreted
-        kernels when the kernel module is imported.
-        """
-        if _triton_version() is None:
-            raise BackendUnavailableError("cuda emulation needs triton (pip install '.[cuda]'): it is not installed")
-        if os.environ.get(_INTERPRET_ENV) != "1" and (
-            "triton" in sys.modules or "hal.backends.cuda.triton_attention" in sys.modules
-        ):
-            raise BackendUnavailableError(
-                f"cuda emulation must be installed before triton is imported, but triton is already imported "
-                f"with {_INTERPRET_ENV}={os.environ.get(_INTERPRET_ENV)!r}; set {_INTERPRET_ENV}=1 in the environment "
-                "or call hal.get_backend('cuda', emulate=True) before anything imports triton"
-            )
-        os.environ[_INTERPRET_ENV] = "1"
-        cls._emulation = True
-
-    @classmethod
     def probe(cls) -> Availability:
         triton_version = _triton_version()
         versions: dict[str, str] = {"torch": str(torch.__version__)}
         if triton_version is not None:
             versions["triton"] = triton_version
-        if cls._emulation:
-            return Availability(
-                True,
-                f"emulated: Triton interpreter on CPU tensors ({_INTERPRET_ENV}=1), eager graphs",
-                device_count=1,
-                versions=versions,
-            )
         missing = []
         count = 0
         if torch.version.cuda is None:
@@ -116,6 +111,21 @@ class CudaBackend(BackendBase):
             return Availability(False, "; ".join(missing), device_count=count, versions=versions)
         return Availability(True, torch.cuda.get_device_name(0), device_count=count, versions=versions)
 
+    @classmethod
+    def probe_emulation(cls) -> Availability:
+        """The Triton CPU interpreter on host tensors, with eager graphs (needs triton installed, and
+        triton not yet imported without ``TRITON_INTERPRET=1``)."""
+        versions: dict[str, str] = {"torch": str(torch.__version__)}
+        triton_version = _triton_version()
+        if triton_version is None:
+            return Availability(False, "cuda emulation needs triton (pip install '.[cuda]'): it is not installed")
+        versions["triton"] = triton_version
+        blocked = _interpreter_blocked()
+        if blocked is not None:
+            return Availability(False, blocked, versions=versions)
+        return Availability(True, f"emulated: Triton interpreter on CPU tensors ({_INTERPRET_ENV}=1), eager graphs",
+                            device_count=1, versions=versions)
+
     def create_graph(self, *, tp_group: Any = None) -> GraphBase:
         return EagerGraph(tp_group=tp_group) if self.emulated else CudaGraph(self.device, tp_group=tp_group)
 
@@ -126,7 +136,3 @@ class CudaBackend(BackendBase):
     def synchronize(self) -> None:
         if not self.emulated:
             torch.cuda.synchronize(self.device)
-
-    def __repr__(self) -> str:
-        return f"CudaBackend(device={self.device}{', emulated' if self.emulated else ''})"
-

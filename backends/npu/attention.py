@@ -20,8 +20,17 @@ from typing import Any
 
 import torch
 
-from hal.backends.npu import runtime
-from hal.sdk import AttentionKernelBase, AttentionMetadata, ForwardMode, ForwardPlan, KVPool, LayerSpec, tree_depths
+from hal.backends.npu.kv_pool import NpuKVPool
+from hal.sdk import (
+    AttentionKernelBase,
+    AttentionMetadata,
+    ForwardMode,
+    ForwardPlan,
+    KVPool,
+    LayerSpec,
+    SpecError,
+    tree_depths,
+)
 
 INT_MAX = 2147483647
 SPARSE_EXPLICIT_MASK = 0
@@ -142,7 +151,10 @@ class NpuAttention(AttentionKernelBase):
     serves_trees = True
 
     def __init__(self, pool: KVPool) -> None:
+        if not isinstance(pool, NpuKVPool):
+            raise SpecError(f"NpuAttention runs over an NpuKVPool (the npu backend's create_kv_pool), got {type(pool).__name__}")
         super().__init__(pool)
+        self.runtime = pool.runtime  # the backend's torch_npu handles, as its pool holds them
         self._mask = causal_template_mask(pool.device)
         self._checked: set[tuple[LayerSpec, bool]] = set()
 
@@ -199,7 +211,7 @@ class NpuAttention(AttentionKernelBase):
         kwargs = self.fia_arguments(layer, metadata, sinks)
         self.record_updatable_call(layer)  # a no-op outside a graph capture
         # FIA v2 takes no non-contiguous tensor; q is often a view of a fused qkv projection.
-        out, _ = runtime.torch_npu().npu_fused_infer_attention_score_v2(q.contiguous(), k_cache, v_cache, **kwargs)
+        out, _ = self.runtime.torch_npu.npu_fused_infer_attention_score_v2(q.contiguous(), k_cache, v_cache, **kwargs)
         return out  # type: ignore[no-any-return]
 
     def _attend_tree(
@@ -232,7 +244,7 @@ class NpuAttention(AttentionKernelBase):
         }
         self.record_updatable_call(layer)  # a no-op outside a graph capture
         query = q.reshape(batch, rows, layer.num_q_heads, layer.head_dim).contiguous()
-        out, lse = runtime.torch_npu().npu_fused_infer_attention_score_v2(query, k_cache, v_cache, **kwargs)
+        out, lse = self.runtime.torch_npu.npu_fused_infer_attention_score_v2(query, k_cache, v_cache, **kwargs)
         if sinks is not None:  # the sink's exp(sink) joins each row's denominator exp(lse)
             out = (out.float() * torch.sigmoid(lse.transpose(1, 2) - sinks.float().view(1, 1, -1, 1))).to(out.dtype)
         return out.reshape(batch * rows, layer.num_q_heads, layer.v_head_dim)  # type: ignore[no-any-return]

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from hal.backends.npu import runtime
+from hal.backends.npu.runtime import NpuRuntime
 from hal.sdk import GraphBase, GraphError
 
 T = TypeVar("T")
@@ -24,19 +24,22 @@ class NpuGraph(GraphBase):
 
     takes_host_params = True
 
-    def __init__(self, *, stream: Any = None, tp_group: Any = None, warmup_runs: int = 2) -> None:
+    def __init__(self, runtime: NpuRuntime, *, stream: Any = None, tp_group: Any = None, warmup_runs: int = 2) -> None:
+        if not isinstance(runtime, NpuRuntime):
+            raise GraphError(f"NpuGraph: runtime must be an NpuRuntime (its backend's), got {type(runtime).__name__}")
         super().__init__(warmup_runs=warmup_runs, tp_group=tp_group)
+        self.runtime = runtime
         self._stream = stream
         self._graph: Any = None
         self._device_index = 0  # the device the graph was captured on
 
     def _capture_stream(self) -> Any:
         if self._stream is None:
-            self._stream = runtime.npu().Stream()
+            self._stream = self.runtime.npu.Stream()
         return self._stream
 
     def _warm_up(self, fn: Callable[[], Any]) -> None:
-        npu = runtime.npu()
+        npu = self.runtime.npu
         stream = self._capture_stream()
         stream.wait_stream(npu.current_stream())
         with npu.stream(stream):  # lazy init, workspace sizing, full eager validation
@@ -44,7 +47,7 @@ class NpuGraph(GraphBase):
         npu.synchronize()
 
     def _capture(self, fn: Callable[[], T], memory_pool: Any) -> T:
-        npu = runtime.npu()
+        npu = self.runtime.npu
         graph = npu.NPUGraph()
         with npu.graph(graph, pool=memory_pool, stream=self._capture_stream(), auto_dispatch_capture=True):
             outputs = fn()
@@ -53,10 +56,10 @@ class NpuGraph(GraphBase):
 
     def _before_update(self) -> None:
         # The previous replay must be done before its captured ops' parameters are rewritten.
-        runtime.npu().synchronize()
+        self.runtime.npu.synchronize()
 
     def _replay(self, host_params: tuple[Mapping[str, Any], ...]) -> None:
-        graph, device_index, npu = self._graph, self._device_index, runtime.npu()
+        graph, device_index, npu = self._graph, self._device_index, self.runtime.npu
         # One dict per captured FIA op; an empty update re-issues the ops unchanged.
         update_input = [dict(p) for p in host_params] or [{}]
         failures: list[BaseException] = []

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from hal.backends.npu import runtime
-from hal.sdk import SplitKVPool
+from hal.backends.npu.runtime import NpuRuntime
+from hal.sdk import KVPoolSpec, SpecError, SplitKVPool
 
 BUFFER_ALIGNMENT = 2 * 1024 * 1024  # bytes; large-page aligned buffers suit HCCL/RDMA registration
 
@@ -24,7 +25,21 @@ def aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 class NpuKVPool(SplitKVPool):
-    """``SplitKVPool`` whose K and V sub-pool tensors are separate, aligned allocations."""
+    """``SplitKVPool`` whose K and V sub-pool tensors are separate, aligned allocations, written
+    through ``runtime`` (its backend's torch_npu handles; the attention kernel over it uses them too)."""
+
+    def __init__(
+        self,
+        spec: KVPoolSpec,
+        device: torch.device | str = "cpu",
+        *,
+        runtime: NpuRuntime,
+        storage: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        if not isinstance(runtime, NpuRuntime):
+            raise SpecError(f"NpuKVPool: runtime must be an NpuRuntime (its backend's), got {type(runtime).__name__}")
+        self.runtime = runtime
+        super().__init__(spec, device, storage=storage)
 
     def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
         return aligned_zeros(shape, self.spec.dtype, self.device, BUFFER_ALIGNMENT)
@@ -34,4 +49,4 @@ class NpuKVPool(SplitKVPool):
         # tiling on the device); K and V are written separately, each with its own head dim.
         if loc.shape[0] == 0:
             return
-        runtime.torch_npu().npu_scatter_nd_update_(buffer, loc.view(-1, 1), rows)
+        self.runtime.torch_npu.npu_scatter_nd_update_(buffer, loc.view(-1, 1), rows)

@@ -29,7 +29,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--hal-device", default=None, metavar="DEVICE",
                     help="run hal's conformance suite against this backend (e.g. cpu, npu, cuda:0, mydev)")
     group.addoption("--hal-emulate", action="store_true", default=False,
-                    help="install the backend's CPU emulator first (its install_emulation())")
+                    help="build the backend on its CPU emulator (emulate=True)")
     group.addoption("--hal-quick", action="store_true", default=False,
                     help="the quick conformance suite: every feature, fewer shapes")
 

@@ -38,12 +38,11 @@ EXAMPLES_PER_KIND = {"cpu": 8, "npu": 5, "cuda": 3}
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Any]]:
-    with emulator.emulated():
-        yield {
-            "cpu": hal.get_backend("cpu"),
-            "npu": hal.get_backend("npu", emulate=True),
-            "cuda": hal.get_backend("cuda", emulate=True),
-        }
+    yield {
+        "cpu": hal.get_backend("cpu"),
+        "npu": hal.get_backend("npu", emulate=True),
+        "cuda": hal.get_backend("cuda", emulate=True),
+    }
 
 
 @attrs.define
@@ -372,18 +371,17 @@ def test_npu_default_page_size_is_128(backends: dict[str, Any]) -> None:
     assert decoder.target_pool.spec.page_size == 128
 
 
-def test_npu_graph_update_thread_sets_the_capture_device() -> None:
-    emulator.uninstall()
-    with emulator.emulated(device_count=2) as torch_npu:
-        torch_npu.npu.set_device(1)
-        try:
-            world = World.build(hal.get_backend("npu", emulate=True))
-            runner = world.runner()
-            out = runner.run({"q": world.q, "k": world.k, "v": world.v}, world.md)
-            assert out.shape == (2, HQ, D)
-        finally:
-            torch_npu.npu.set_device(0)
-    emulator.install()
+def test_npu_graph_update_thread_sets_the_capture_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = hal.get_backend("npu", emulate=True)
+    monkeypatch.setattr(emulator.runtime, "_device_count", 2)
+    backend.runtime.npu.set_device(1)
+    try:
+        world = World.build(backend)
+        runner = world.runner()
+        out = runner.run({"q": world.q, "k": world.k, "v": world.v}, world.md)
+        assert out.shape == (2, HQ, D)
+    finally:
+        backend.runtime.npu.set_device(0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import hal
-from hal.backends.npu import emulator
 from hal.backends.npu.attention import NpuAttention
 from hal.errors import SpecError, UnsupportedConfigError
 from hal.spec import KVPoolSpec, LayerSpec
@@ -65,8 +64,7 @@ def test_model_spec_wants_layer_ids_in_order() -> None:
 
 @pytest.fixture()
 def npu() -> Any:
-    with emulator.emulated():
-        yield hal.get_backend("npu", emulate=True)
+    yield hal.get_backend("npu", emulate=True)
 
 
 def test_the_npu_kernel_answers_before_any_pool_exists(npu: Any) -> None:
@@ -98,9 +96,8 @@ def test_the_npu_kernel_answers_before_any_pool_exists(npu: Any) -> None:
     ],
 )
 def test_kv_dtype_follows_the_model_then_the_backends_own_order(device: str, prefer: Any, expected: torch.dtype) -> None:
-    with emulator.emulated():
-        backend = hal.get_backend(device, emulate=device != "cpu")
-        assert backend.kv_dtype_for([layer(0), layer(1, kv=2, window=127)], backend.default_page_size, prefer=prefer) == expected
+    backend = hal.get_backend(device, emulate=device != "cpu")
+    assert backend.kv_dtype_for([layer(0), layer(1, kv=2, window=127)], backend.default_page_size, prefer=prefer) == expected
     with pytest.raises(SpecError, match=r"prefer must be one of .* got torch.int8"):
         backend.kv_dtype_for([layer(0)], backend.default_page_size, prefer=torch.int8)
 
@@ -118,13 +115,12 @@ def test_an_engine_types_its_buffers_and_kv_from_the_model_dtype(dtype: torch.dt
 
 @pytest.mark.parametrize("device", ["cpu", "npu", "cuda"])
 def test_every_default_page_size_runs_every_mode_of_the_mimo_layers(device: str) -> None:
-    with emulator.emulated():
-        backend = hal.get_backend(device, emulate=device != "cpu")
-        page = backend.default_page_size
-        layers = [layer(0), layer(1, kv=2, window=127)]
-        dtype = backend.kv_dtype_for(layers, page, max_q_len=4096, batch_size=64)
-        for q in (1, 4, 4096):
-            backend.check_layers(layers, dtype, page, max_q_len=q, batch_size=64)
+    backend = hal.get_backend(device, emulate=device != "cpu")
+    page = backend.default_page_size
+    layers = [layer(0), layer(1, kv=2, window=127)]
+    dtype = backend.kv_dtype_for(layers, page, max_q_len=4096, batch_size=64)
+    for q in (1, 4, 4096):
+        backend.check_layers(layers, dtype, page, max_q_len=q, batch_size=64)
 
 
 def test_an_engine_refuses_a_layer_before_allocating(npu: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,7 @@ def fake_backend(
     name: str, *, available: bool = True, count: int = 2, reason: str = "fake reason", probe_error: bool = False,
     auto_priority: int | None = None,
 ):
-    """A new backend class; ``installs`` counts install_emulation calls when it has one."""
+    """A new backend class (``with_emulation`` gives it an emulator)."""
 
     def probe(cls) -> Availability:
         if probe_error:
@@ -67,13 +67,20 @@ def fake_backend(
 
 
 def with_emulation(cls):
-    cls.installs = 0
+    """``cls`` with an emulator: ``probes`` counts probe_emulation calls, ``emulated`` marks instances."""
+    cls.probes = 0
+    cls.emulator_available = True
 
-    def install_emulation(klass) -> None:
-        klass.installs += 1
-        klass.available = True
+    def probe_emulation(klass) -> Availability:
+        klass.probes += 1
+        return Availability(klass.emulator_available, "fake emulator", klass.count)
 
-    cls.install_emulation = classmethod(install_emulation)
+    def init(self, index: int | None = None, *, emulated: bool = False) -> None:
+        self.index, self.emulated = index, emulated
+        self.device = torch.device("cpu")
+
+    cls.probe_emulation = classmethod(probe_emulation)
+    cls.__init__ = init
     return cls
 
 
@@ -269,32 +276,36 @@ def test_unavailable_and_broken_probes(isolated) -> None:
     assert infos["offline"].availability.reason == "cable unplugged"
 
 
-def test_emulation_is_installed_only_when_asked(isolated) -> None:
+def test_emulation_is_built_only_when_asked_and_stays_with_its_instance(isolated) -> None:
     emu = with_emulation(fake_backend("Emu", available=False, reason="no hardware"))
     hal.register_backend("emu", emu)
     with pytest.raises(BackendUnavailableError, match="no hardware"):
         hal.get_backend("emu")
-    assert emu.installs == 0  # never silently
     be = hal.get_backend("emu:1", emulate=True)
-    assert type(be) is emu and be.index == 1 and emu.installs == 1
-    assert hal.get_backend("emu:1", emulate=True) is be and emu.installs == 1
+    assert type(be) is emu and be.index == 1 and be.emulated
+    assert hal.get_backend("emu:1", emulate=True) is be
+    with pytest.raises(BackendUnavailableError, match="no hardware"):  # the emulated instance changed nothing
+        hal.get_backend("emu")
+    with pytest.raises(BackendUnavailableError, match="does not exist"):
+        hal.get_backend("emu:2", emulate=True)  # the emulator's device count (2) bounds the index
 
 
-def test_a_cached_backend_whose_runtime_went_away_is_not_returned(isolated) -> None:
-    """Built while its runtime was there (an emulator installed by an earlier emulate=True call),
-    then the runtime goes: the plain lookup raises instead of handing out the stale instance,
-    and a later emulate=True lookup reinstalls its stand-in and builds the backend anew on it."""
+def test_a_cached_emulated_backend_whose_emulator_went_away_is_not_returned(isolated) -> None:
     emu = with_emulation(fake_backend("Emu", available=False, reason="no hardware"))
     hal.register_backend("emu", emu)
-    emulated = hal.get_backend("emu", emulate=True)
-    plain = hal.get_backend("emu")  # the emulator is installed now, so the plain lookup works
-    assert type(plain) is emu and hal.get_backend("emu") is plain
-    emu.available = False  # the stand-in is uninstalled
-    with pytest.raises(BackendUnavailableError, match="no hardware"):
-        hal.get_backend("emu")
-    again = hal.get_backend("emu", emulate=True)
-    assert type(again) is emu and again is not emulated and emu.installs == 2
-    assert hal.get_backend("emu") is not plain  # rebuilt on the reinstalled runtime
+    first = hal.get_backend("emu", emulate=True)
+    emu.emulator_available = False
+    with pytest.raises(BackendUnavailableError, match="fake emulator"):
+        hal.get_backend("emu", emulate=True)
+    emu.emulator_available = True
+    assert hal.get_backend("emu", emulate=True) is not first
+
+
+def test_a_backend_without_an_emulator_refuses_emulate(isolated) -> None:
+    hal.register_backend("plain", fake_backend("Plain"))
+    with pytest.raises(BackendUnavailableError, match="has no emulator"):
+        hal.get_backend("plain", emulate=True)
+    assert not registry.has_emulator("plain") and registry.has_emulator("npu")
 
 
 def test_auto_picks_the_first_available_in_order(isolated) -> None:

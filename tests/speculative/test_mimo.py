@@ -291,13 +291,12 @@ def test_mtp_worker_on_a_mimo_checkpoint_is_lossless(tmp_path: Path) -> None:
 
 
 def test_npu_emulated_logits_match_transformers_in_bf16(tmp_path: Path) -> None:
-    from hal.backends.npu import emulator
 
     hf = make_checkpoint(tmp_path, num_hidden_layers=6, sliding_window=5, head_dim=128, v_head_dim=128, hidden_size=64,
                          num_attention_heads=4, num_key_value_heads=1)
     model = MiMoV2Flash.from_pretrained(tmp_path)
     prompt, continuation = PROMPTS[2], [1, 2, 3, 60, 61, 62]
-    with emulator.emulated(), torch.no_grad():
+    with torch.no_grad():
         decoder = GreedyDecoder(model, hal.get_backend("npu", emulate=True), kv_dtype=torch.bfloat16, max_batch_size=2, max_seq_len=256,
                                 graph_batch_sizes=[1])
         assert decoder.target_pool.spec.page_size == 128  # the NPU default
@@ -348,7 +347,6 @@ def test_half_precision_weights_load_exactly(tmp_path: Path, stored: torch.dtype
 
 
 def test_mtp_worker_on_a_mimo_checkpoint_is_lossless_on_the_emulated_npu(tmp_path: Path) -> None:
-    from hal.backends.npu import emulator
     from hal.speculative import MultiLayerEagleWorker
 
     make_checkpoint(tmp_path, num_hidden_layers=6, sliding_window=5, head_dim=128, v_head_dim=128, hidden_size=64)
@@ -356,9 +354,8 @@ def test_mtp_worker_on_a_mimo_checkpoint_is_lossless_on_the_emulated_npu(tmp_pat
     model = MiMoV2Flash.from_pretrained(tmp_path)
     kwargs: dict[str, Any] = {"kv_dtype": torch.bfloat16, "max_batch_size": 4, "max_seq_len": 128,
                               "graph_batch_sizes": [4]}
-    with emulator.emulated():
-        npu = hal.get_backend("npu", emulate=True)
-        expected = GreedyDecoder(model, npu, **kwargs).generate(PROMPTS, 24).tokens
-        for steps in (1, 2):
-            got = MultiLayerEagleWorker(model, npu, num_steps=steps, **kwargs).generate(PROMPTS, 24).tokens
-            assert got == expected, steps
+    npu = hal.get_backend("npu", emulate=True)
+    expected = GreedyDecoder(model, npu, **kwargs).generate(PROMPTS, 24).tokens
+    for steps in (1, 2):
+        got = MultiLayerEagleWorker(model, npu, num_steps=steps, **kwargs).generate(PROMPTS, 24).tokens
+        assert got == expected, steps

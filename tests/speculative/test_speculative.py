@@ -95,21 +95,10 @@ def test_speculative_equals_plain_greedy_on_cpu(
     assert spec.allocator.num_free_pages == spec.allocator.num_pages
 
 
-@pytest.fixture()
-def npu_emulated():  # type: ignore[no-untyped-def]
-    from hal.backends.npu import emulator
-
-    emulator.install()
-    try:
-        yield
-    finally:
-        emulator.uninstall()
-
-
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(prompts=st.lists(prompt, min_size=1, max_size=3), num_steps=st.integers(1, 3), max_new=st.integers(1, 24))
 def test_speculative_equals_plain_greedy_on_emulated_npu(
-    model: TinyMiMo, npu_emulated: None, prompts: list[list[int]], num_steps: int, max_new: int
+    model: TinyMiMo, prompts: list[list[int]], num_steps: int, max_new: int
 ) -> None:
     # FIA v2 takes bf16/fp16 only, and a multiple of 128 as page size with head dim 192.
     plain, spec = engines(model, "npu", num_steps, 128, emulate=True, kv_dtype=torch.bfloat16)
@@ -191,8 +180,7 @@ def test_demo_on_the_emulated_npu_runs_bf16_weights_and_kv_and_judges_departures
          "--batch-size", "2", "--no-cache"]
     )
     out = io.StringIO()
-    with emulator.emulated():
-        code = demo.run(args, out=out)
+    code = demo.run(args, out=out)
     text = out.getvalue()
     assert "weights: bfloat16, KV cache: bfloat16, pages of 128 tokens" in text
     # identical, or every departure judged a near-tie by the float32 model

@@ -171,16 +171,14 @@ def test_mtp_with_default_options_runs_in_the_backends_dtype(device: str, tmp_pa
     """``hal generate --speculative mtp`` with every other option at its default: bf16 weights and KV
     on the emulated npu (``--dtype auto``), and ``--dtype bfloat16`` on the cpu; the tokens keep the
     low-precision guarantee against transformers in float32."""
-    from hal.backends.npu import emulator
     from low_precision_guarantee import Guarantee
 
     make_checkpoint(tmp_path, num_hidden_layers=6, sliding_window=5, head_dim=128, v_head_dim=128, hidden_size=64,
                     initializer_range=0.1)
     add_mtp_layers(tmp_path, 3)
     options = ["--device", "npu", "--emulate"] if device == "npu" else ["--dtype", "bfloat16"]
-    with emulator.emulated():
-        got = run_json(capsys, "--model", str(tmp_path), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
-                       "--speculative", "mtp", "--num-draft-steps", "3", *options)
+    got = run_json(capsys, "--model", str(tmp_path), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+                   "--speculative", "mtp", "--num-draft-steps", "3", *options)
     guarantee = Guarantee(tmp_path, hf_load(tmp_path), torch.bfloat16, PROMPTS[:1], 32)  # 32: generate's default
     assert len(got["tokens"][0]) == 32
     guarantee.check_departure(0, got["tokens"][0], guarantee.reference[0], f"hal generate on {device}")

@@ -1,8 +1,10 @@
 """A strict, pure-torch CPU stand-in for the torch_npu surface ``hal.backends.npu`` uses.
 
-``install()`` puts a fake ``torch_npu`` module into ``sys.modules`` and its ``npu`` submodule at
-``torch.npu``; ``uninstall()`` reverts both. Nothing is installed implicitly: tests and
-``hal.get_backend("npu", emulate=True)`` ask for it.
+``npu_runtime()`` hands an ``NpuRuntime`` over the emulator's ``torch_npu`` and ``torch.npu`` namespaces
+to the backend that asked (``hal.get_backend("npu", emulate=True)``); nothing is installed in the
+process, so SGLang, transformers and every other library still see a CPU machine. ``install()``
+(tests only: what a process with a real torch_npu looks like) puts the same namespaces into
+``sys.modules`` and at ``torch.npu``; ``uninstall()`` reverts both.
 
 What it provides (and nothing more):
 
@@ -67,6 +69,7 @@ from hal.backends.npu.emulator.errors import CaptureSyncError, NpuOpError
 from hal.backends.npu.emulator.fia import FIA_V2
 from hal.backends.npu.emulator.runtime import NPUGraph, Stream
 from hal.backends.npu.emulator.scatter import npu_scatter_nd_update_
+from hal.backends.npu.runtime import TORCH_NPU_OPS, TORCH_NPU_RUNTIME, NpuRuntime
 
 __all__ = [
     "CaptureSyncError",
@@ -76,31 +79,38 @@ __all__ = [
     "emulated",
     "install",
     "is_installed",
+    "npu_runtime",
     "uninstall",
 ]
 
 
 def _build_modules() -> tuple[types.ModuleType, types.ModuleType]:
+    # Exactly the names the backend calls (hal.backends.npu.runtime's lists), no more.
     npu = types.ModuleType("torch_npu.npu", "Emulated torch.npu (hal.backends.npu.emulator).")
-    for name in (
-        "NPUGraph", "graph", "graph_pool_handle", "synchronize", "Stream", "current_stream", "stream",
-        "is_available", "device_count", "current_device", "set_device",
-    ):  # fmt: skip
+    for name in TORCH_NPU_RUNTIME:
         setattr(npu, name, getattr(runtime, name))
     top = types.ModuleType("torch_npu", "Emulated torch_npu (hal.backends.npu.emulator): CPU stand-in, not Ascend.")
     top.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     top.__version__ = "emulator"  # type: ignore[attr-defined]
     top.IS_HAL_EMULATOR = True  # type: ignore[attr-defined]
     top.npu = npu  # type: ignore[attr-defined]
-    top.npu_fused_infer_attention_score_v2 = FIA_V2  # type: ignore[attr-defined]
-    top.npu_scatter_nd_update_ = npu_scatter_nd_update_  # type: ignore[attr-defined]
+    ops = {"npu_fused_infer_attention_score_v2": FIA_V2, "npu_scatter_nd_update_": npu_scatter_nd_update_}
+    assert tuple(ops) == TORCH_NPU_OPS, "the emulator provides exactly the ops the backend calls"
+    for name, op in ops.items():
+        setattr(top, name, op)
     return top, npu
 
 
 _TORCH_NPU, _TORCH_NPU_NPU = _build_modules()
+_RUNTIME = NpuRuntime(torch_npu=_TORCH_NPU, npu=_TORCH_NPU_NPU, emulated=True)
 _MISSING = object()
 _saved_torch_npu_attr: Any = _MISSING
 _install_lock = threading.Lock()
+
+
+def npu_runtime() -> NpuRuntime:
+    """The emulator's ``torch_npu`` / ``torch.npu`` for one backend, installed nowhere."""
+    return _RUNTIME
 
 
 def is_installed() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -83,6 +84,12 @@ def synchronize(device: Any = None) -> None:
 
 def is_available() -> bool:
     return True
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes: the emulated device's memory is the host's."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), total
 
 
 def set_device_count(count: int) -> None:

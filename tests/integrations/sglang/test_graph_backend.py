@@ -111,32 +111,30 @@ def test_npu_graph_replays_take_the_new_batchs_lengths(monkeypatch: pytest.Monke
     lengths: the same output as the eager forward, because the replay hands FIA the new
     ``actual_seq_kvlen``. Without that hand-over the replay attends over the captured lengths."""
     import hal
-    from hal.backends.npu import emulator
     from hal.backends.npu.attention import NpuAttention
 
-    with emulator.emulated():
-        npu = hal.get_backend("npu", emulate=True)
-        attn, layer, verify_batch, inputs = npu_verify_setup(npu)
-        graphs = HalGraphBackend(types.SimpleNamespace(model_runner=types.SimpleNamespace(device="npu", attn_backend=attn)))
-        static = inputs(4)
-        captured_batch = verify_batch([10, 20])
-        attn.init_forward_metadata_out_graph(captured_batch, in_capture=True)
-        with graphs.capture_session(stream=None):
-            graphs.capture_one("verify-2", lambda: attn.forward_extend(*static, layer, captured_batch))
-        assert graphs.captured("verify-2").captured_calls  # FIA recorded its host-side lengths
+    npu = hal.get_backend("npu", emulate=True)
+    attn, layer, verify_batch, inputs = npu_verify_setup(npu)
+    graphs = HalGraphBackend(types.SimpleNamespace(model_runner=types.SimpleNamespace(device="npu", attn_backend=attn)))
+    static = inputs(4)
+    captured_batch = verify_batch([10, 20])
+    attn.init_forward_metadata_out_graph(captured_batch, in_capture=True)
+    with graphs.capture_session(stream=None):
+        graphs.capture_one("verify-2", lambda: attn.forward_extend(*static, layer, captured_batch))
+    assert graphs.captured("verify-2").captured_calls  # FIA recorded its host-side lengths
 
-        def replay(prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-            new = inputs(4)
-            batch = verify_batch(prefix)
-            attn.init_forward_metadata_out_graph(batch)
-            for buffer, value in zip(static, new):
-                buffer.copy_(value)
-            out = graphs.replay("verify-2", static_forward_batch=None).clone()
-            attn.init_forward_metadata(batch)
-            return out, attn.forward_extend(*new, layer, batch)
+    def replay(prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        new = inputs(4)
+        batch = verify_batch(prefix)
+        attn.init_forward_metadata_out_graph(batch)
+        for buffer, value in zip(static, new):
+            buffer.copy_(value)
+        out = graphs.replay("verify-2", static_forward_batch=None).clone()
+        attn.init_forward_metadata(batch)
+        return out, attn.forward_extend(*new, layer, batch)
 
-        out, eager = replay([37, 5])
-        assert torch.equal(out, eager)
-        monkeypatch.setattr(NpuAttention, "updatable_params", lambda self, metadata, layer: {})
-        stale, eager = replay([41, 9])
-        assert (stale.float() - eager.float()).abs().max() > 0.1
+    out, eager = replay([37, 5])
+    assert torch.equal(out, eager)
+    monkeypatch.setattr(NpuAttention, "updatable_params", lambda self, metadata, layer: {})
+    stale, eager = replay([41, 9])
+    assert (stale.float() - eager.float()).abs().max() > 0.1

@@ -67,5 +67,52 @@ def _log_hal_forwards(path: str) -> None:
     sys.meta_path.insert(0, _Wrap())
 
 
+def _log_npu_emulator_calls(path: str) -> None:
+    """Append one word per call of hal's emulated Ascend runtime to ``path``, in any process:
+    ``FIA`` (an eager or capturing FIA v2 call), ``SCATTER`` (a K/V write), ``CAPTURE`` (an NPUGraph
+    captured), ``REPLAY`` and ``UPDATE`` (a replay and the host-parameter update it took). The engine
+    tests read it to tell that hal's Ascend path served a request."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    target = "hal.backends.npu.emulator"
+
+    def logged(word, fn):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = fn(*args, **kwargs)
+            with open(path, "a") as log:
+                log.write(word + "\n")
+            return result
+
+        return call
+
+    class _Wrap(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path_, target_=None):  # type: ignore[no-untyped-def]
+            if fullname != target:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path_)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_wrap(module):  # type: ignore[no-untyped-def]
+                exec_module(module)
+                ops = module.npu_runtime().torch_npu
+                ops.npu_fused_infer_attention_score_v2 = logged("FIA", ops.npu_fused_infer_attention_score_v2)
+                ops.npu_scatter_nd_update_ = logged("SCATTER", ops.npu_scatter_nd_update_)
+                graph = module.NPUGraph
+                graph.capture_end = logged("CAPTURE", graph.capture_end)
+                graph.replay = logged("REPLAY", graph.replay)
+                graph.update = logged("UPDATE", graph.update)
+
+            spec.loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _Wrap())
+
+
 if os.environ.get("HAL_SGLANG_FORWARD_LOG"):
     _log_hal_forwards(os.environ["HAL_SGLANG_FORWARD_LOG"])
+if os.environ.get("HAL_NPU_EMULATOR_LOG"):
+    _log_npu_emulator_calls(os.environ["HAL_NPU_EMULATOR_LOG"])
