@@ -163,3 +163,57 @@ def test_multi_layer_eagle_through_hal_in_low_precision_keeps_the_guarantee(
     departures = [guarantee.check_departure(i, tokens, expected[i], f"SGLang {dtype}") for i, tokens in enumerate(spec)]
     print(f"SGLang {dtype}: tokens before the first departure from float32: {departures} of {NEW_TOKENS}")
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
+
+
+def npu_emulator_calls(log: Path) -> Counter[str]:
+    """What hal's emulated Ascend runtime ran, counted over every SGLang process (``site/``)."""
+    return Counter(log.read_text().split()) if log.exists() else Counter()
+
+
+@pytest.mark.parametrize(("dtype", "steps"), [(torch.bfloat16, STEPS), (torch.float16, 1)], ids=["bf16-3steps", "fp16-1step"])
+def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
+    checkpoint: tuple[Path, list[list[int]], Path], sgl_kernel_calls: Path, dtype: torch.dtype, steps: int,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The seed's scenario on hal's Ascend backend: ``SGLANG_PLATFORM=hal HAL_SGLANG_DEVICE=npu
+    HAL_SGLANG_EMULATE=1``. SGLang runs on the CPU (the emulator is the backend's own: no torch_npu
+    in any process, so neither SGLang nor transformers takes an Ascend path) while every attention
+    call of the prefill, the decode, the target verify and the MTP draft extends is an FIA v2 call
+    and every K/V write an ``npu_scatter_nd_update_`` into hal's split pools, pages of 128 (the
+    npu default). EAGLE equals plain decoding in the same dtype, or departs from it at a rounding
+    tie; both keep the low-precision guarantee against transformers in float32."""
+    from low_precision_guarantee import Guarantee
+    from tiny_mimo_checkpoints import hf_load
+
+    model, expected, hf_dir = checkpoint
+    calls = tmp_path / "npu_emulator_calls.txt"
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    monkeypatch.setenv("HAL_SGLANG_DEVICE", "npu")
+    monkeypatch.setenv("HAL_SGLANG_EMULATE", "1")
+    monkeypatch.setenv("HAL_NPU_EMULATOR_LOG", str(calls))
+    name = str(dtype).removeprefix("torch.")
+    plain = [o["output_ids"] for o in sglang_generate(model, speculative=False, dtype=name, page_size=128)]
+    plain_calls = npu_emulator_calls(calls)
+    calls.unlink()
+    spec_out = sglang_generate(model, speculative=True, dtype=name, page_size=128, speculative_num_steps=steps,
+                               speculative_num_draft_tokens=steps + 1)
+    spec = [o["output_ids"] for o in spec_out]
+    spec_calls = npu_emulator_calls(calls)
+
+    layers = TinyConfig().num_layers
+    # One FIA call per layer and forward: the prefill plus NEW_TOKENS - 1 decode steps.
+    assert plain_calls["FIA"] == layers * NEW_TOKENS, plain_calls
+    assert plain_calls["SCATTER"] == 2 * plain_calls["FIA"]  # K and V, each its own buffer
+    assert spec_calls["FIA"] > layers and spec_calls["SCATTER"] == 2 * spec_calls["FIA"], spec_calls
+    assert not plain_calls["CAPTURE"] and not spec_calls["CAPTURE"]  # SGLang's CPU path captures no graphs
+    verifies = sum(o["meta_info"]["spec_verify_ct"] for o in spec_out)
+    assert verifies < len(PROMPTS) * (NEW_TOKENS - 1)  # drafts were accepted
+
+    guarantee = Guarantee(hf_dir, hf_load(hf_dir), dtype, PROMPTS, NEW_TOKENS)
+    assert guarantee.reference == expected
+    for i in range(len(PROMPTS)):
+        guarantee.check_departure(i, spec[i], plain[i], f"SGLang on the emulated npu, {name}, EAGLE vs plain")
+        guarantee.check_departure(i, plain[i], expected[i], f"SGLang on the emulated npu, {name}, plain vs float32")
+    print(f"{name}, {steps} steps: accept length {sum(len(t) - 1 for t in spec) / verifies:.2f}, "
+          f"EAGLE equals plain: {spec == plain}, emulated calls {dict(spec_calls)}")
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
