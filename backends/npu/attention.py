@@ -76,8 +76,9 @@ _templates: dict[torch.device, torch.Tensor] = {}
 def causal_template_mask(device: torch.device) -> torch.Tensor:
     """The 2048x2048 template FIA sparse modes 3/4 take (True above the diagonal), one per device."""
     if device not in _templates:
-        ones = torch.ones(TEMPLATE_MASK_SIZE, TEMPLATE_MASK_SIZE, dtype=torch.bool, device=device)
-        _templates[device] = torch.triu(ones, diagonal=1)
+        with torch.inference_mode(False):  # shared by every kernel: a plain tensor, whoever builds it first
+            ones = torch.ones(TEMPLATE_MASK_SIZE, TEMPLATE_MASK_SIZE, dtype=torch.bool, device=device)
+            _templates[device] = torch.triu(ones, diagonal=1)
     return _templates[device]
 
 

@@ -94,8 +94,11 @@ _template_checked: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
 
 
 def _check_template_mask(mask: torch.Tensor) -> None:
-    key = (mask.data_ptr(), mask._version, mask.dtype, mask.device)
-    if key not in _template_checked:
+    # An inference tensor (made under torch.inference_mode, as engines build their kernels) has no
+    # version counter: it is checked on every call instead of once per version.
+    version = -1 if mask.is_inference() else mask._version
+    key = (mask.data_ptr(), version, mask.dtype, mask.device)
+    if key not in _template_checked or version < 0:
         plane = mask.reshape(TEMPLATE_MASK_SIZE, TEMPLATE_MASK_SIZE) != 0
         expect = torch.ones(TEMPLATE_MASK_SIZE, TEMPLATE_MASK_SIZE, dtype=torch.bool, device=mask.device).triu(1)
         if len(_template_checked) > 64:

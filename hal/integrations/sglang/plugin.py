@@ -86,10 +86,11 @@ def check_speculative_configuration(algorithm: str, topk: Any, backend: Any, *, 
 
 
 def edge_backend(device: Any) -> Any:
-    """The ``hal.Backend`` SGLang's runners are served with, resolved here once per runner and
-    handed inward: hal's platform's (resolved when SGLang activated it) under ``SGLANG_PLATFORM=hal``,
-    else hal's backend for the runner's device string (hal parses it: torch may not know "npu")."""
+    """The ``hal.Backend`` SGLang's runners are served with: hal's platform's under
+    ``SGLANG_PLATFORM=hal``, else the edge's for SGLang (``hal.integrations.edge``; the runner's
+    device string when ``HAL_SGLANG_DEVICE`` names none). Both are resolved once per process."""
     import hal
+    from hal.integrations.edge import edge_backend as resolve
 
     if os.environ.get("SGLANG_PLATFORM") == NAME:
         from sglang.srt.platforms import current_platform
@@ -100,8 +101,7 @@ def edge_backend(device: Any) -> Any:
                 f"SGLANG_PLATFORM={NAME} but SGLang's platform is {type(current_platform).__name__}, which holds no hal backend"
             )
         return backend
-
-    return hal.get_backend(str(device))
+    return resolve("sglang", engine_device=str(device))
 
 
 def activate_platform() -> str | None:

@@ -48,20 +48,17 @@ _WHERE = f"attention backend {NAME!r}"
 
 
 def edge_backend() -> hal.Backend:
-    """The hal backend this process serves vLLM with: hal's platform's (resolved once, when vLLM
-    activated it), else hal's backend for the device vLLM's platform runs on."""
+    """The hal backend this process serves vLLM with: hal's platform's, else the edge's for vLLM
+    (``hal.integrations.edge``; the device vLLM's platform runs on when ``HAL_VLLM_DEVICE`` names
+    none). Both are resolved once per process."""
     from vllm.platforms import current_platform
+
+    from hal.integrations.edge import edge_backend as resolve
 
     backend = getattr(current_platform, "hal_backend", None)
     if isinstance(backend, hal.Backend):
         return backend
-    global _EDGE_BACKEND
-    if _EDGE_BACKEND is None:
-        _EDGE_BACKEND = hal.get_backend(current_platform.device_type)
-    return _EDGE_BACKEND
-
-
-_EDGE_BACKEND: hal.Backend | None = None
+    return resolve("vllm", engine_device=current_platform.device_type)
 
 
 def layer_planes(kv_cache: torch.Tensor, spec: KVPoolSpec, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,6 @@ NAME = "HAL"
 BACKEND_PATH = "hal.integrations.vllm.attention.HalAttentionBackend"
 #: The environment variable that opts into hal's platform.
 PLATFORM_ENV = "HAL_VLLM_PLATFORM"
-#: Which hal device the platform serves (default ``auto``).
-DEVICE_ENV = "HAL_VLLM_DEVICE"
 
 
 def register() -> None:

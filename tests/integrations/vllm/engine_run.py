@@ -11,6 +11,7 @@ after another so later rounds can hit the prefix cache), ``max_tokens``, and opt
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -37,6 +38,17 @@ def main(request: dict) -> dict:
         HalAttentionImpl.forward = counted  # type: ignore[method-assign]
     except ImportError:  # vLLM's own backend only: hal's adapter is not importable without hal
         pass
+    npu_calls = {"FIA": 0, "SCATTER": 0}
+    if os.environ.get("HAL_VLLM_EMULATE") == "1":  # count what hal's emulated Ascend runtime runs
+        from hal.backends.npu import emulator
+
+        ops = emulator.npu_runtime().torch_npu
+        for attr, word in (("npu_fused_infer_attention_score_v2", "FIA"), ("npu_scatter_nd_update_", "SCATTER")):
+            def count(*args, _op=getattr(ops, attr), _word=word, **kwargs):  # type: ignore[no-untyped-def]
+                npu_calls[_word] += 1
+                return _op(*args, **kwargs)
+
+            setattr(ops, attr, count)
     options = dict(
         model=request["model"], skip_tokenizer_init=True, dtype=request.get("dtype", "float32"),
         max_model_len=request.get("max_model_len", 512), enforce_eager=True, block_size=request.get("block_size", 32),
@@ -64,7 +76,7 @@ def main(request: dict) -> dict:
     return {
         "tokens": rounds, "hal_forwards": hal_calls["forward"], "hal_layers": sorted(hal_layers), "start_s": ready - started, "generate_s": done - ready,
         "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"), "spec_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
-        "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"), "likeliest": likeliest,
+        "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"), "likeliest": likeliest, "npu_calls": npu_calls,
     }
 
 

@@ -51,6 +51,28 @@ def test_hal_equals_vllms_cpu_backend(checkpoints: dict[str, Any], model: str, d
     assert ours["prefix_cache_hits"] and ours["prefix_cache_hits"] >= 64  # the second round reused the first's blocks
 
 
+@pytest.mark.parametrize("model", ["llama-hd128", "qwen3-hd128"])
+def test_hals_emulated_ascend_backend_in_vllm_equals_vllms_cpu_backend(checkpoints: dict[str, Any], model: str) -> None:
+    """hal's Ascend backend under vLLM (``HAL_VLLM_DEVICE=npu HAL_VLLM_EMULATE=1``): vLLM runs on the
+    CPU while every attention layer is one FIA v2 call over hal's pool on vLLM's own allocation, pages
+    of 128 tokens (a 200-token prompt spans two, prefilled in chunks of 48, and its first page is a
+    prefix-cache hit for the next round), bfloat16; against vLLM's CPU backend under the bfloat16
+    tie rule."""
+    rng = random.Random(5)
+    long = [rng.randrange(256) for _ in range(200)]  # two pages; its first page is reused by round 2
+    first, _ = _prompts()
+    request = _request(checkpoints[model], dtype="bfloat16", logprobs=2, block_size=128)
+    request["rounds"] = [[long, *first], [long + [rng.randrange(256) for _ in range(12)]]]
+    ours, theirs = run_engine(request, hal=True, hal_device="npu"), run_engine(request, hal=False)
+    assert ours["hal_forwards"] > 0 and ours["npu_calls"]["FIA"] == ours["hal_forwards"], ours["npu_calls"]
+    assert ours["npu_calls"]["SCATTER"] == 2 * ours["npu_calls"]["FIA"]  # K and V written per layer call
+    assert theirs["npu_calls"]["FIA"] == 0
+    assert_same_greedy_tokens(ours, theirs, tie=BF16_TIE)
+    first_round = ours["tokens"][0]
+    assert first_round[1] != first_round[4], "the tokens do not depend on attention"  # _prompts' 0 and 3
+    assert ours["prefix_cache_hits"] and ours["prefix_cache_hits"] >= 128  # round 2 reused round 1's first page
+
+
 def test_the_window_test_sees_one_key(checkpoints: dict[str, Any]) -> None:
     """hal maps vLLM's window (W keys, the query's own included) to its own (W - 1 keys before
     it): on these prompts, a window one key wider gives other tokens, so an off-by-one in that

@@ -4,6 +4,9 @@ opt-in, the K/V planes over a layer cache, and what the backend refuses, by name
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -57,3 +60,18 @@ def test_what_hal_does_not_compute_is_refused_at_construction(option: str, value
     options[option] = value
     with pytest.raises(UnsupportedConfigError, match=option):
         HalAttentionImpl(**options)  # type: ignore[arg-type]
+
+
+def test_importing_the_platform_module_resolves_nothing() -> None:
+    """hal's backend is resolved when vllm reads ``HalPlatform`` (activating the platform), not
+    when the module is imported."""
+    code = textwrap.dedent(
+        """
+        import hal.integrations.vllm.platform as platform
+        from hal.integrations import edge
+        assert edge._resolved == {}, edge._resolved
+        cls = platform.HalPlatform
+        assert edge._resolved["vllm"] is cls.hal_backend and platform.HalPlatform is cls
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
