@@ -163,7 +163,8 @@ def page_table_from_req_to_token(rows: torch.Tensor, kv_lens: list[int], page_si
 
     Raises ``CacheLocationError`` if a row's slots are not whole pages in order (slot of position
     ``p`` = page ``p // page_size`` times the page size plus ``p % page_size``): a page table could
-    not describe them and a kernel would read the wrong keys.
+    not describe them and a kernel would read the wrong keys. A row whose every slot is 0 (a padded
+    request of a graph batch, or the batch a graph is captured on) reads the padding page.
     """
     width = max(kv_lens, default=0)
     slots = rows[:, :width].long()
@@ -171,7 +172,8 @@ def page_table_from_req_to_token(rows: torch.Tensor, kv_lens: list[int], page_si
     used = torch.arange(width) < torch.tensor(kv_lens, dtype=torch.long).unsqueeze(1)  # [B, width]
     if page_size > 1 and width:
         expect = pages.repeat_interleave(page_size, dim=1)[:, :width] * page_size + torch.arange(width) % page_size
-        wrong = (expect != slots) & used
+        padded = ((slots == 0) | ~used).all(dim=1, keepdim=True)
+        wrong = (expect != slots) & used & ~padded
         if bool(wrong.any()):
             i, first = (int(x) for x in wrong.nonzero()[0])
             raise CacheLocationError(

@@ -162,7 +162,8 @@ def mirror_swa_pages(
     sliding-window layer can see this forward (``kv_len - q_len - window`` onwards; all of them
     without a window) must hold its page's SWA page at the same offset, else
     ``CacheLocationError`` names it: hal would read another request's keys, or freed ones.
-    Pages no layer sees are mirrored as SGLang has them (0 when freed: the padding page).
+    Pages no layer sees are mirrored as SGLang has them (0 when freed: the padding page). Padded
+    rows (full slot 0, the padding slot) must map to SWA slot 0.
     """
     ps = pool.spec.page_size
     width = max(kv_lens, default=0)
@@ -180,7 +181,10 @@ def mirror_swa_pages(
     seen = used & (position >= first_seen)
     swa_pages = torch.where(swa_slots[:, ::ps] > 0, torch.div(swa_slots[:, ::ps], ps, rounding_mode="floor"), 0)
     expect = swa_pages.repeat_interleave(ps, dim=1)[:, :width] * ps + position % ps
-    wrong = seen & ((swa_slots <= 0) | (swa_slots != expect))
+    # A padded row of a graph batch (and the batch a graph is captured on) reads the padding slot:
+    # full slot 0 stands for SWA slot 0, and nothing else may map to either.
+    padding = slots == 0
+    wrong = seen & torch.where(padding, swa_slots != 0, (swa_slots <= 0) | (swa_slots != expect))
     if bool(wrong.any()):
         i, p = (int(x) for x in wrong.nonzero()[0])
         raise CacheLocationError(

@@ -77,6 +77,15 @@ def platform_class() -> type:
                 return bound_to(HalMHATokenToKVPool, self.hal_backend)
             return super().get_kv_pool_cls(kind=kind)  # type: ignore[no-any-return]
 
+        def get_graph_runner_cls(self) -> type | None:
+            # A backend whose graphs replay without Python (NPUGraph, CUDA graphs, emulated or not)
+            # gets SGLang's own decode/verify graph runner, capturing through get_full_graph_backend_cls.
+            if not backend.captures_graphs:
+                return super().get_graph_runner_cls()  # type: ignore[no-any-return]
+            from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+            return DecodeCudaGraphRunner
+
         def get_full_graph_backend_cls(self) -> type:
             from hal.integrations.sglang.graph import HalGraphBackend
 

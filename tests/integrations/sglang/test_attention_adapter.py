@@ -337,6 +337,15 @@ def test_rows_that_are_not_whole_pages_are_refused() -> None:
     assert page_table_from_req_to_token(rows[:, :5], [5], 4).tolist() == [[2, 5]]
 
 
+def test_a_padded_request_reads_the_padding_page_and_a_stray_padding_slot_is_refused() -> None:
+    """A graph batch's padded requests (and the batch a graph is captured on) keep every position
+    at slot 0: they read the padding page. A real request with one position at slot 0 is refused."""
+    rows = torch.tensor([[8, 9, 10, 11, 20, 21], [0, 0, 0, 0, 0, 0]])
+    assert page_table_from_req_to_token(rows, [6, 5], 4).tolist() == [[2, 5], [0, 0]]
+    with pytest.raises(CacheLocationError, match="request 0 keeps position 5 at slot 0"):
+        page_table_from_req_to_token(torch.tensor([[8, 9, 10, 11, 20, 0]]), [6], 4)
+
+
 def test_a_bad_slot_is_refused_before_anything_is_written() -> None:
     world = World(HalMHATokenToKVPool, seed=4)
     layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=0.25, num_kv_heads=KV_HEADS, layer_id=0, v_head_dim=V_HEAD_DIM)

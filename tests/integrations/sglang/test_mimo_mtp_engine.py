@@ -65,8 +65,9 @@ def sglang_generate(model: Path, speculative: bool, **engine_args: Any) -> list[
         speculative_num_draft_tokens=STEPS + 1, speculative_draft_model_path=str(model),
     ) if speculative else {}  # fmt: skip
     engine = sglang.Engine(
-        model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, disable_cuda_graph=True,
-        random_seed=0, max_total_tokens=4096, json_model_override_args=mimo_rope_override(model), **{"dtype": "float32", **spec, **engine_args},
+        model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True,
+        random_seed=0, max_total_tokens=4096, json_model_override_args=mimo_rope_override(model),
+        **{"dtype": "float32", "disable_cuda_graph": True, **spec, **engine_args},
     )
     try:
         return engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})  # type: ignore[no-any-return]
@@ -170,9 +171,10 @@ def npu_emulator_calls(log: Path) -> Counter[str]:
     return Counter(log.read_text().split()) if log.exists() else Counter()
 
 
-@pytest.mark.parametrize(("dtype", "steps"), [(torch.bfloat16, STEPS), (torch.float16, 1)], ids=["bf16-3steps", "fp16-1step"])
+@pytest.mark.parametrize(("dtype", "steps", "graphs"), [(torch.bfloat16, STEPS, True), (torch.float16, 1, False)],
+                         ids=["bf16-3steps-npugraphs", "fp16-1step-eager"])
 def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
-    checkpoint: tuple[Path, list[list[int]], Path], sgl_kernel_calls: Path, dtype: torch.dtype, steps: int,
+    checkpoint: tuple[Path, list[list[int]], Path], sgl_kernel_calls: Path, dtype: torch.dtype, steps: int, graphs: bool,
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The seed's scenario on hal's Ascend backend: ``SGLANG_PLATFORM=hal HAL_SGLANG_DEVICE=npu
@@ -181,7 +183,10 @@ def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
     call of the prefill, the decode, the target verify and the MTP draft extends is an FIA v2 call
     and every K/V write an ``npu_scatter_nd_update_`` into hal's split pools, pages of 128 (the
     npu default). EAGLE equals plain decoding in the same dtype, or departs from it at a rounding
-    tie; both keep the low-precision guarantee against transformers in float32."""
+    tie; both keep the low-precision guarantee against transformers in float32. With graphs, SGLang's
+    decode and target-verify graph runner captures on hal's graph backend (NPUGraph; SGLang's CPU path
+    with the patches in ``patches/``), and every replay re-issues FIA's host-side lengths
+    (``graph.update``); the batch sizes decoding runs at are captured, so decode steps replay."""
     from low_precision_guarantee import Guarantee
     from tiny_mimo_checkpoints import hf_load
 
@@ -192,21 +197,27 @@ def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
     monkeypatch.setenv("HAL_SGLANG_EMULATE", "1")
     monkeypatch.setenv("HAL_NPU_EMULATOR_LOG", str(calls))
     name = str(dtype).removeprefix("torch.")
-    plain = [o["output_ids"] for o in sglang_generate(model, speculative=False, dtype=name, page_size=128)]
+    engine = {"dtype": name, "page_size": 128, "disable_cuda_graph": not graphs, "cuda_graph_max_bs_decode": len(PROMPTS)}
+    plain = [o["output_ids"] for o in sglang_generate(model, speculative=False, **engine)]
     plain_calls = npu_emulator_calls(calls)
     calls.unlink()
-    spec_out = sglang_generate(model, speculative=True, dtype=name, page_size=128, speculative_num_steps=steps,
-                               speculative_num_draft_tokens=steps + 1)
+    spec_out = sglang_generate(model, speculative=True, speculative_num_steps=steps, speculative_num_draft_tokens=steps + 1, **engine)
     spec = [o["output_ids"] for o in spec_out]
     spec_calls = npu_emulator_calls(calls)
+    verifies = sum(o["meta_info"]["spec_verify_ct"] for o in spec_out)
+    verify_steps = max(o["meta_info"]["spec_verify_ct"] for o in spec_out)
 
     layers = TinyConfig().num_layers
-    # One FIA call per layer and forward: the prefill plus NEW_TOKENS - 1 decode steps.
-    assert plain_calls["FIA"] == layers * NEW_TOKENS, plain_calls
-    assert plain_calls["SCATTER"] == 2 * plain_calls["FIA"]  # K and V, each its own buffer
-    assert spec_calls["FIA"] > layers and spec_calls["SCATTER"] == 2 * spec_calls["FIA"], spec_calls
-    assert not plain_calls["CAPTURE"] and not spec_calls["CAPTURE"]  # SGLang's CPU path captures no graphs
-    verifies = sum(o["meta_info"]["spec_verify_ct"] for o in spec_out)
+    for served in (plain_calls, spec_calls):
+        assert served["FIA"] > layers and served["SCATTER"] == 2 * served["FIA"], served  # K and V: a buffer each
+    if graphs:
+        # Decode: the prefill eager, then every one of the NEW_TOKENS - 1 steps a replay that took
+        # its FIA lengths; verify: every verify step replays (the draft extends run eagerly).
+        assert plain_calls["CAPTURE"] >= 1 and plain_calls["REPLAY"] == plain_calls["UPDATE"] == NEW_TOKENS - 1, plain_calls
+        assert spec_calls["CAPTURE"] >= 1 and spec_calls["REPLAY"] == spec_calls["UPDATE"] == verify_steps, spec_calls
+    else:
+        assert plain_calls["FIA"] == layers * NEW_TOKENS, plain_calls  # one call per layer and forward
+        assert not plain_calls["CAPTURE"] and not spec_calls["CAPTURE"], (plain_calls, spec_calls)
     assert verifies < len(PROMPTS) * (NEW_TOKENS - 1)  # drafts were accepted
 
     guarantee = Guarantee(hf_dir, hf_load(hf_dir), dtype, PROMPTS, NEW_TOKENS)

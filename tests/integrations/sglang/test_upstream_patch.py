@@ -27,7 +27,12 @@ WORKER = ("multi_layer_eagle_worker_v2_oot_draft_extend_runner.patch", "python/s
 DRAFT_UTILS = ("draft_utils_platform_draft_backends.patch", "python/sglang/srt/speculative/draft_utils.py")
 MIMO_NEXTN = ("mimo_v2_nextn_platform_empty_cache.patch", "python/sglang/srt/models/mimo_v2_nextn.py")
 ALLOCATION = ("allocation_get_last_loc_host_tensors.patch", "python/sglang/srt/mem_cache/allocation.py")
-ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION]
+GRAPH_SETUP = ("cuda_graph_setup_platform_graph_runner_on_cpu.patch",
+               "python/sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py")
+GRAPH_MODES = ("model_runner_platform_graph_modes_on_cpu.patch", "python/sglang/srt/model_executor/model_runner.py")
+GRAPH_MARKER = ("decode_cuda_graph_runner_capture_marker_without_stream_query.patch",
+                "python/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py")
+ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION, GRAPH_SETUP, GRAPH_MODES, GRAPH_MARKER]
 
 
 def git_apply(tree: Path, patch: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -234,3 +239,98 @@ def test_patched_last_loc_asks_the_tensors_device_not_the_backends_name(tmp_path
     assert launches == ["triton"]
     assert torch.equal(patched.get_last_loc(req_to_token, pools, prefix).long(), expected)
     assert launches == ["triton"]  # the patched helper launched nothing
+
+
+class _GraphPlatform:
+    """A platform whose graph runner class is ``runner`` (None: the in-tree choice)."""
+
+    def __init__(self, runner: type | None) -> None:
+        self.runner = runner
+        self.device_name = "cpu"
+
+    def get_graph_runner_cls(self) -> type | None:
+        return self.runner
+
+
+def test_patched_graph_setup_captures_on_a_cpu_through_the_platforms_runner(tmp_path: Path) -> None:
+    """On a CPU device upstream captures only through torch.compile's CPU graph runner; patched, a
+    platform that supplies its own graph runner (hal's, for a backend whose graphs replay without
+    Python) gets it built unless graphs are disabled; without one, nothing changes."""
+    unpatched, patched = before_and_after(tmp_path, *GRAPH_SETUP)
+
+    class Runner:
+        capture_bs = [1, 2]
+
+        def __init__(self, model_runner: object) -> None:
+            self.model_runner = model_runner
+
+    def decode_capture(module: types.ModuleType, platform: _GraphPlatform, disabled: bool = False) -> object:
+        module.current_platform = platform
+        module.check_cuda_graph_backend = lambda phase, backend: disabled and backend == module.Backend.DISABLED
+        module.get_flags = lambda: types.SimpleNamespace(capture=types.SimpleNamespace(enable_torch_compile=False))
+        module.get_disagg = lambda: types.SimpleNamespace(disaggregation_mode="null")
+        module.get_model = lambda: types.SimpleNamespace(model_impl="auto")
+        module.get_available_gpu_memory = lambda *args: 0.0
+        module.get_exec = lambda: types.SimpleNamespace(graph=types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(
+            decode=types.SimpleNamespace(backend="full"))))
+        model_runner = types.SimpleNamespace(
+            is_draft_worker=False, is_generation=True, device="cpu", gpu_id=0,
+            spec_algorithm=types.SimpleNamespace(is_speculative=lambda: False),
+        )
+        return module.capture_decode_graph(model_runner=model_runner).runner
+
+    assert decode_capture(unpatched, _GraphPlatform(Runner)) is None
+    built = decode_capture(patched, _GraphPlatform(Runner))
+    assert isinstance(built, Runner)
+    assert decode_capture(patched, _GraphPlatform(None)) is None  # no platform runner: as upstream
+    assert decode_capture(patched, _GraphPlatform(Runner), disabled=True) is None  # --disable-cuda-graph holds
+
+
+def test_patched_model_runner_replays_verify_graphs_on_a_cpu_through_the_platforms_runner(tmp_path: Path) -> None:
+    """Which forward modes may replay a graph on a CPU device: upstream, decode only (torch.compile's
+    CPU graphs); patched, with a platform graph runner, decode and target verify, as on a device."""
+    import ast
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode as modes
+
+    tree = pinned_source(tmp_path, *GRAPH_MODES)
+    unpatched = (tree / GRAPH_MODES[1]).read_text()
+    assert git_apply(tree, GRAPH_MODES[0]).returncode == 0
+    patched = (tree / GRAPH_MODES[1]).read_text()
+
+    def graph_modes(source: str, platform: _GraphPlatform) -> set[str]:
+        """The modes the runner's ``mode_check`` expression admits on a CPU device (the expression
+        itself, evaluated on a CPU model runner and each forward mode)."""
+        tree = ast.parse(source)
+        checks = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "mode_check" for t in n.targets)]
+        assert len(checks) == 1
+        expression = compile(ast.Expression(checks[0]), "mode_check", "eval")
+        admitted = set()
+        for mode in (modes.DECODE, modes.TARGET_VERIFY, modes.EXTEND):
+            check = eval(expression, {"current_platform": platform},  # noqa: S307 - SGLang's own expression
+                         {"self": types.SimpleNamespace(device="cpu"), "forward_batch": types.SimpleNamespace(forward_mode=mode)})
+            if check():
+                admitted.add(mode.name)
+        return admitted
+
+    assert graph_modes(unpatched, _GraphPlatform(object)) == {"DECODE"}
+    assert graph_modes(patched, _GraphPlatform(object)) == {"DECODE", "TARGET_VERIFY"}
+    assert graph_modes(patched, _GraphPlatform(None)) == {"DECODE"}  # no platform runner: as upstream
+
+
+def test_patched_capture_marker_runs_where_the_device_module_cannot_say_it_captures(tmp_path: Path) -> None:
+    """``torch.cpu`` has no ``is_current_stream_capturing``: upstream's capture marker raises on a CPU
+    device; patched, a module without it is treated as not capturing (no marker event to record)."""
+    unpatched, patched = before_and_after(tmp_path, *GRAPH_MARKER)
+    assert not hasattr(torch.cpu, "is_current_stream_capturing")
+    for module, raises in ((unpatched, True), (patched, False)):
+        runner = module.DecodeCudaGraphRunner.__new__(module.DecodeCudaGraphRunner)
+        runner.device_module = torch.cpu
+        runner.in_graph_metadata_prep_done = None
+        if raises:
+            with pytest.raises(AttributeError, match="is_current_stream_capturing"):
+                runner._record_in_graph_metadata_prep_done()
+        else:
+            runner._record_in_graph_metadata_prep_done()
+            assert runner.in_graph_metadata_prep_done is None
