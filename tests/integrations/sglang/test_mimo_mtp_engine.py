@@ -228,3 +228,25 @@ def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
     print(f"{name}, {steps} steps: accept length {sum(len(t) - 1 for t in spec) / verifies:.2f}, "
           f"EAGLE equals plain: {spec == plain}, emulated calls {dict(spec_calls)}")
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
+
+
+def test_sglang_on_hals_emulated_ascend_backend_at_tp2_equals_tp1(
+    checkpoint: tuple[Path, list[list[int]], Path], sgl_kernel_calls: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks over gloo, each serving its share of the heads with its own emulated Ascend
+    backend (FIA v2 per rank): multi-layer EAGLE in bf16 gives tp 1's tokens."""
+    model, _, _ = checkpoint
+    calls = tmp_path / "npu_emulator_calls.txt"
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    monkeypatch.setenv("HAL_SGLANG_DEVICE", "npu")
+    monkeypatch.setenv("HAL_SGLANG_EMULATE", "1")
+    monkeypatch.setenv("HAL_NPU_EMULATOR_LOG", str(calls))
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")  # SGLang's CPU scheduler binds one core set per rank
+    one = [o["output_ids"] for o in sglang_generate(model, speculative=True, dtype="bfloat16", page_size=128)]
+    one_calls = npu_emulator_calls(calls)
+    calls.unlink()
+    two = [o["output_ids"] for o in sglang_generate(model, speculative=True, dtype="bfloat16", page_size=128, tp_size=2)]
+    two_calls = npu_emulator_calls(calls)
+    assert two == one
+    assert one_calls["FIA"] > 0 and two_calls["FIA"] == 2 * one_calls["FIA"], (one_calls, two_calls)  # every call on each rank
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
