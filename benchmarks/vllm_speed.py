@@ -1,7 +1,7 @@
 """hal against vLLM's own CPU attention backend inside ``vllm.LLM``: generation time side by side,
 alternating runs, same tokens required. Run in the vLLM environment (``bash .ci/vllm`` builds it):
 
-    .venv-vllm/bin/python benchmarks/vllm_speed.py
+    .venv-vllm/bin/python benchmarks/vllm_speed.py [--prompt-lens 64 896] [--new-tokens 64] [--repeats 3]
 
 A random Qwen3 checkpoint (2 layers, 4 query / 2 KV heads of 32) saved by transformers; 4 prompts of
 64 and of 896 tokens, 64 new tokens each, greedy. Prints hal's speed over CPU_ATTN's (> 1: hal is
@@ -21,7 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 from conftest import run_engine  # noqa: E402
 
 
-def main(repeats: int = 3) -> None:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 896])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
     import torch
     import transformers
 
@@ -32,16 +39,19 @@ def main(repeats: int = 3) -> None:
     transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
     rng = random.Random(0)
     print("| prompt | batch | hal / CPU_ATTN speed, median (range) | same tokens |\n|---|---|---|---|")
-    for length in (64, 896):
+    all_same = True
+    for length in args.prompt_lens:
         prompts = [[rng.randrange(256) for _ in range(length)] for _ in range(4)]
-        request = {"model": str(directory), "rounds": [prompts], "max_tokens": 64, "max_model_len": 1024}
+        request = {"model": str(directory), "rounds": [prompts], "max_tokens": args.new_tokens, "max_model_len": 1024}
         ratios, same = [], True
-        for _ in range(repeats):
+        for _ in range(args.repeats):
             ours, theirs = run_engine(request, hal=True), run_engine(request, hal=False)
             same &= ours["tokens"] == theirs["tokens"]
             ratios.append(theirs["generate_s"] / ours["generate_s"])
         print(f"| {length} | 4 | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {same} |")
+        all_same &= same
+    return 0 if all_same else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

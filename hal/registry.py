@@ -210,7 +210,7 @@ def get_backend(device: str | torch.device = "auto", *, emulate: bool = False) -
             raise BackendUnavailableError(f"backend {device_type!r} has no emulator (its probe_emulation() returns None)")
         availability = _probe(cls, emulated=emulate)
         if not availability.available:
-            hint = _INSTALL_HINT.get(device_type, "")
+            hint = "" if emulate else _INSTALL_HINT.get(device_type, "")  # the emulator says what it needs itself
             raise BackendUnavailableError(
                 f"backend {device_type!r} is not available: {availability.reason}" + (f"; {hint}" if hint else "")
             )

@@ -104,6 +104,8 @@ def strict_ints(values: Any, what: str) -> tuple[int, ...]:
     if isinstance(values, torch.Tensor):
         if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
             raise SpecError(f"{what} must hold integers, got a {values.dtype} tensor")
+        if values.device.type == "meta":
+            raise SpecError(f"{what} is a tensor on the meta device (shape {tuple(values.shape)}): it holds no values to read")
         return tuple(int(v) for v in values.reshape(-1).tolist())
     if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
         return tuple(values)  # the common case, checked at a glance (bools are not of type int)

@@ -536,11 +536,14 @@ def _attend_group(
         if sinks is not None:
             raise SpecError("paged_attention: a plan made with fused=True has causal squares, which take no sinks")
         k, v = keys[:, : group.causal_square], values[:, : group.causal_square]
+        if not _all_finite(k):  # a NaN/inf key must not reach the rows that do not see it
+            causal = torch.ones(rows, k.shape[1], dtype=torch.bool, device=k.device).triu(1)
+            return _rows_of(_explicit_attention(qt, k, v, causal[None, None, None], None, scaling), group.zero_rows)
         ctx = torch.nn.functional.scaled_dot_product_attention(
             qt.view(n, rows, hq, dk).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scaling,
             enable_gqa=g > 1,
         ).view(n, hkv, g, rows, dv)
-    elif fused_tile:
+    elif fused_tile and (mask is None or _all_finite(keys)):
         # torch's fused attention: no [rows, keys] score tensor in memory (4x faster on prompt
         # tiles). GQA as hal defines it: query head h reads kv head h // G.
         ctx = torch.nn.functional.scaled_dot_product_attention(
@@ -551,6 +554,13 @@ def _attend_group(
     else:
         ctx = _attention(qt, keys, values, mask, sinks, dv, scaling, group.flash_masks if strided is not None else None)
     return _rows_of(ctx, group.zero_rows)
+
+
+def _all_finite(keys: torch.Tensor) -> bool:
+    """Whether every key is finite. The fused and flash kernels hide a key by adding -inf to its
+    score (NaN + -inf is NaN), so a non-finite key some rows must not see goes to the explicit
+    matmuls, which overwrite hidden scores instead (a row that sees it still gets its NaN)."""
+    return bool(torch.isfinite(keys).all())
 
 
 def _rows_of(ctx: torch.Tensor, zero_rows: torch.Tensor | None) -> torch.Tensor:
@@ -611,7 +621,7 @@ def _attention(
     dropped unread by anything else. A query head group rides as extra query rows; the sink is one
     more term of each row's softmax denominator: ``out * sigmoid(lse - sink)``. ``flash_masks``:
     where the flash kernel's form of ``blocked`` is kept across the layers of a forward."""
-    if _FLASH_CPU is None or values.shape[3] != keys.shape[3]:
+    if _FLASH_CPU is None or values.shape[3] != keys.shape[3] or (blocked is not None and not _all_finite(keys)):
         return _explicit_attention(qt, keys, values[..., :dv], blocked, sinks, scaling)
     n, num_keys, hkv, dk = keys.shape
     hq = qt.shape[1]

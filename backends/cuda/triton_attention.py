@@ -206,7 +206,9 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2, m_i[:, None], mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2 + 1, l_i[:, None], mask=row_ok[:, None])
         return
-    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    # Only a row that saw no key is 0; a NaN sum (a NaN key it sees) must stay NaN, not become 0.
+    empty = l_i == 0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_dv[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
 
@@ -245,7 +247,8 @@ def _combine_splits_kernel(
     if HAS_SINKS:
         total += tl.exp2(sink - m_safe)
     merged = tl.sum(acc * weight[:, None], 0)
-    out = tl.where(total > 0, merged / tl.where(total > 0, total, 1.0), 0.0)
+    empty = total == 0  # as in the main kernel: a NaN total stays NaN
+    out = tl.where(empty, 0.0, merged / tl.where(empty, 1.0, total))
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + offs_dv, out.to(out_ptr.dtype.element_ty),
              mask=offs_dv < DV)
 

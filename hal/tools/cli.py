@@ -71,6 +71,21 @@ def dtype_option(name: str) -> Any:
     return None if name == "auto" else getattr(torch, name)
 
 
+def check_kv_dtype_option(backend: Any, layers: Any, args: argparse.Namespace) -> None:
+    """``--kv-dtype X`` that the backend's kernel cannot store these layers in (where its own
+    preferred KV dtype would do) is refused now, naming the option, before any training or loading."""
+    from hal.errors import UnsupportedConfigError
+
+    kv = dtype_option(args.kv_dtype)
+    if kv is None:
+        return
+    page = args.page_size or backend.default_page_size
+    for layer in layers:
+        reason = backend.unsupported_reason(layer, kv, page, max_q_len=2)
+        if reason is not None and backend.unsupported_reason(layer, backend.kv_dtype_preference[0], page, max_q_len=2) is None:
+            raise UnsupportedConfigError(f"--kv-dtype {args.kv_dtype}: backend {backend.name!r}, layer {layer.layer_id}: {reason}")
+
+
 def _kv_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="dtype the weights load in; auto = the backend's preferred one (float32 on cpu, bfloat16 on npu and cuda)")
@@ -217,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hal {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print(f"hal {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

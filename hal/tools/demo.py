@@ -8,6 +8,9 @@ and prints accept length, tokens/s and the speedup.
 from __future__ import annotations
 
 import argparse
+import os
+import select
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -24,7 +27,7 @@ from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.contract import EngineModel
 from hal.speculative.model import TinyConfig, TinyMiMo
 from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
-from hal.tools.cli import backend_from_args, dtype_option
+from hal.tools.cli import backend_from_args, check_kv_dtype_option, dtype_option
 
 
 def make_prompts(batch_size: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -36,6 +39,20 @@ def make_prompts(batch_size: int, vocab_size: int, seed: int) -> list[list[int]]
 PHASE_LABELS = {"data": "generating training data", "train": "distilling MTP blocks"}
 
 
+def reader_left(stream: TextIO) -> bool:
+    """Whether ``stream`` is a pipe whose reader has closed it: ``poll`` reports an error on the
+    write end at once, where a write would only fail at the next line, minutes of work later."""
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file behind it (a StringIO), or closed
+        return False
+
+
 def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], None]:
     """A one-line text progress bar per phase, redrawn only when the bar grows. On a stream that
     is not a terminal (a log file, a pipe) it writes one line per phase, when the phase ends."""
@@ -44,6 +61,8 @@ def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], 
     terminal = bool(getattr(stream, "isatty", lambda: False)())
 
     def show(phase: str, done: int, total: int, loss: float | None) -> None:
+        if reader_left(stream):  # hal demo | head -1: stop working, not only writing, once the reader is gone
+            raise BrokenPipeError(f"the reader of {getattr(stream, 'name', 'the output')} has gone")
         if not terminal and done != total:
             return
         filled = width * done // max(total, 1)
@@ -61,11 +80,20 @@ def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], 
 
 
 def check_export_directory(directory: Path) -> None:
-    """``--export DIR`` must name a new or empty directory: an existing checkpoint is not overwritten."""
+    """``--export DIR`` must name a new or empty directory that can be written: an existing
+    checkpoint is not overwritten, and an unwritable target is refused before any work (the
+    directory is made now)."""
     if directory.exists() and not directory.is_dir():
         raise SpecError(f"--export {directory}: exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()):
         raise SpecError(f"--export {directory}: the directory is not empty (give a new or empty one)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".hal-write-check"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise SpecError(f"--export {directory}: cannot be written ({exc.strerror or exc})") from exc
 
 
 def build_engines(
@@ -100,6 +128,7 @@ def setup(
     if args.export is not None:
         check_export_directory(args.export)
     tiny = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
+    check_kv_dtype_option(backend, tiny.spec.target_layers + tiny.spec.draft_layers, args)  # before training
     overrides = {k: v for k, v in (("steps", args.train_steps), ("num_sequences", args.train_sequences)) if v is not None}
     report = distill(tiny, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
     # The demo runs what it exports: a MiMo-V2-Flash checkpoint (transformers loads it too).

@@ -23,7 +23,7 @@ from hal.speculative import GenerationResult, GreedyDecoder, MultiLayerEagleWork
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo import MiMoV2Flash
 from hal.speculative.mimo_config import MiMoConfig
-from hal.tools.cli import backend_from_args, dtype_option
+from hal.tools.cli import backend_from_args, check_kv_dtype_option, dtype_option
 from hal.tools.demo import progress_printer
 from hal.tools.tp_launch import run_ranks
 
@@ -121,6 +121,17 @@ def draft_steps(args: argparse.Namespace) -> int:
     return 1 if args.num_draft_steps is None else int(args.num_draft_steps)
 
 
+def check_model_directory(directory: Path) -> None:
+    """``--model`` names a checkpoint directory: a file or a missing path gets its own one line."""
+    if directory.is_file():
+        raise CheckpointError(f"--model {directory}: is a file; give the checkpoint directory that holds it "
+                              f"(config.json and the safetensors), e.g. --model {directory.parent}")
+    if not directory.exists():
+        raise CheckpointError(f"--model {directory}: no such directory")
+    if not directory.is_dir():
+        raise CheckpointError(f"--model {directory}: not a directory")
+
+
 def check_draft_steps(steps: int, directory: Path) -> None:
     """Refuse more draft steps than the checkpoint stores MTP layers, from its tensor names alone."""
     if not steps:
@@ -135,10 +146,14 @@ def check_draft_steps(steps: int, directory: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load, decode, print (or emit one JSON object); exit 0. ``--tp N`` runs N local ranks; under
     torchrun each process is one rank and rank 0 prints."""
+    check_model_directory(Path(args.model))
     prompts, tokenizer = read_prompts(args)
-    check_prompts(prompts, MiMoConfig.from_file(Path(args.model) / "config.json"))  # before any weight loads
+    config = MiMoConfig.from_file(Path(args.model) / "config.json")
+    check_prompts(prompts, config)  # before any weight loads
     check_draft_steps(draft_steps(args), Path(args.model))
     backend = backend_from_args(args)  # an unknown or unavailable device fails before loading
+    spec = config.model_spec()
+    check_kv_dtype_option(backend, spec.target_layers + spec.draft_layers[: draft_steps(args)], args)
     if not isinstance(args.tp, int) or args.tp < 1:
         raise SpecError(f"--tp must be an int >= 1, got {args.tp!r}")
     launched = launch_environment()

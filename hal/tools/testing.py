@@ -224,19 +224,38 @@ def poison_unseen_rows(pool: KVPool, layer: int, stored: torch.Tensor) -> None:
         flat[unseen.to(flat.device)] = value
 
 
-def run_attention_case(backend: Backend, case: AttentionCase, *, poison_unseen: bool = False) -> CaseResult:
+def poisoned_new_rows(case: AttentionCase) -> list[int]:
+    """The new rows ``run_attention_case(..., poison_new_key=True)`` gives a NaN key: each
+    request's second new row (its first row, and a chain's, do not see it; a tree's siblings and
+    their subtrees neither)."""
+    rows, start = [], 0
+    for q in case.q_lens:
+        if q >= 2:
+            rows.append(start + 1)
+        start += q
+    return rows
+
+
+def run_attention_case(
+    backend: Backend, case: AttentionCase, *, poison_unseen: bool = False, poison_new_key: bool = False
+) -> CaseResult:
     """Run ``case`` on ``backend`` and through the oracle; compare outputs and the written cache.
 
     The cache check needs no zero-initialised pool: the rows of every stored token must equal
     the oracle pool's, and every other row must be what it was before the forward. With
     ``poison_unseen`` the backend's pool holds NaN/inf in every row no token of the case owns
     (``poison_unseen_rows``); nothing a row cannot see may reach its output, so the output must
-    still equal the oracle's over a clean pool.
+    still equal the oracle's over a clean pool. With ``poison_new_key`` the key of one new row per
+    request is NaN (``poisoned_new_rows``) in both runs: exactly the rows that see it must come
+    out NaN, as the oracle's do, and every other row must equal the oracle's.
     """
     got, ref = prepare_case(backend, case)
     lay = case.layer
     if poison_unseen:
         poison_unseen_rows(got.pool, lay.layer_id, got.slots)
+    if poison_new_key:
+        for prepared in (got, ref):
+            prepared.k[poisoned_new_rows(case)] = float("nan")
     before_k, before_v = read_kv(got.pool, lay.layer_id)
     out = got.kernel.forward(got.q, got.k, got.v, lay, got.kernel.plan(got.metadata), sinks=got.sinks)
     expect = ref.kernel.forward(ref.q, ref.k, ref.v, lay, ref.kernel.plan(ref.metadata), sinks=ref.sinks)
@@ -246,16 +265,19 @@ def run_attention_case(backend: Backend, case: AttentionCase, *, poison_unseen: 
     if out_c.shape != exp_c.shape:
         return CaseResult(case, False, float("inf"), f"output shape {tuple(out_c.shape)} != {tuple(exp_c.shape)}")
     err = (out_c - exp_c).abs()
-    max_err = float(err.max()) if err.numel() else 0.0
-    ok = bool(torch.allclose(out_c, exp_c, atol=atol, rtol=rtol))
+    max_err = float(err.nan_to_num(0.0).max()) if err.numel() else 0.0
+    ok = bool(torch.allclose(out_c, exp_c, atol=atol, rtol=rtol, equal_nan=True))  # NaN only where the oracle's is
     detail = "" if ok else f"output differs: max |err| {max_err:.3g} > atol {atol} + rtol {rtol}"
-    if not bool(torch.isfinite(out_c).all()):
+    if poison_new_key and not torch.equal(out_c.isnan(), exp_c.isnan()):
+        wrong = (out_c.isnan() != exp_c.isnan()).flatten(1).any(1).nonzero().flatten().tolist()
+        detail += f"; rows {wrong[:8]} are NaN where the oracle's are not, or finite where a NaN key they see must reach them"
+    elif not bool(torch.isfinite(out_c).all()) and not poison_new_key:
         detail += f"; {int((~torch.isfinite(out_c)).sum())} output values are not finite (NaN/inf from slots no row sees?)"
     got_rows = kv_rows(got.pool, lay.layer_id, got.slots)
     ref_k, ref_v = read_kv(ref.pool, lay.layer_id, ref.slots)
     after_k, after_v = read_kv(got.pool, lay.layer_id)
     for name, before, after, expected in (("K", before_k, after_k, ref_k), ("V", before_v, after_v, ref_v)):
-        if not torch.equal(after[got_rows], expected):
+        if not _same_with_nan(after[got_rows], expected):  # a poisoned new key is stored as NaN
             ok = False
             detail += f"; cached {name} of the case's tokens differs from the oracle pool's"
         untouched = torch.ones(after.shape[0], dtype=torch.bool)

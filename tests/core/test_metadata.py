@@ -320,3 +320,20 @@ def test_one_packed_upload_round_trips_every_tensor_bit_for_bit() -> None:
             assert (unpacked.data_ptr() - received.data_ptr()) % 8 == 0
     with pytest.raises(SpecError, match="int32/int64"):
         pack_ints([torch.zeros(2)])
+
+
+@pytest.mark.parametrize("field", ["tree_mask", "out_cache_loc", "page_table", "kv_lens", "q_lens"])
+def test_a_meta_device_tensor_is_refused_by_name(field: str) -> None:
+    """A tensor on the meta device has a shape and no values: a SpecError naming the argument, not
+    torch's NotImplementedError from inside a copy."""
+    from hal.errors import SpecError
+
+    args: dict = dict(kv_lens=[4], q_lens=[2], page_table=[[1]], out_cache_loc=[2, 3], page_size=16,
+                      tree_mask=torch.ones(2, 2, dtype=torch.bool).tril()[None])
+    host = {"tree_mask": args["tree_mask"], "out_cache_loc": torch.tensor([2, 3]), "page_table": torch.tensor([[1]]),
+            "kv_lens": torch.tensor([4]), "q_lens": torch.tensor([2])}[field]
+    args[field] = host.to("meta")
+    with pytest.raises(SpecError, match=rf"{field} is a tensor on the meta device"):
+        build_metadata(ForwardMode.TARGET_VERIFY, **args)
+    args[field] = host
+    assert build_metadata(ForwardMode.TARGET_VERIFY, **args).kv_lens_cpu == (4,)

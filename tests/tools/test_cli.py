@@ -92,7 +92,13 @@ def _bad_invocations(model: Path, tmp: Path) -> list[tuple[list[str], str]]:
         (["demo", "--export", str(model)], "the directory is not empty"),
         (["generate", "--model", str(model), "--prompt-ids", "1,2", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be an int >= 1, got '-5'"),
         (["generate", "--model", str(model), "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated ints"),
-        (["generate", "--model", str(tmp / "nowhere"), "--prompt-ids", "1,2"], "nowhere"),
+        (["generate", "--model", str(tmp / "nowhere"), "--prompt-ids", "1,2"], "nowhere: no such directory"),
+        (["generate", "--model", str(model / "model.safetensors"), "--prompt-ids", "1,2"],
+         f"is a file; give the checkpoint directory that holds it (config.json and the safetensors), e.g. --model {model}"),
+        (["generate", "--model", str(model), "--prompt-ids", "1,2", "--device", "npu", "--emulate", "--kv-dtype", "float32"],
+         "--kv-dtype float32: backend 'npu', layer 0: FIA v2 takes float16/bfloat16"),
+        (["demo", "--device", "npu", "--emulate", "--kv-dtype", "float32"], "--kv-dtype float32: backend 'npu'"),
+        (["demo", "--export", "/proc/hal-export"], "--export /proc/hal-export: cannot be written"),
         (["generate", "--model", str(model), "--prompt-ids", "1,2", "--tp-timeout", "nan"], "argument --tp-timeout: must be a number > 0"),
         (["demo", "--batch-size", "0"], "argument --batch-size: must be an int >= 1, got '0'"),
         (["demo", "--device", "nosuch"], "unknown device 'nosuch'"),
@@ -138,3 +144,29 @@ def test_a_reader_that_leaves_early_is_not_an_error() -> None:
     proc.stdout.close()  # head -1 exits
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and err == "", err
+
+
+def test_demo_stops_working_once_its_reader_has_gone(tmp_path: Path) -> None:
+    """``hal demo | head -1``: the demo stops at its next progress report after the reader left
+    (the checkpoint it would export at the end is never written), exit 0, nothing on stderr."""
+    export = tmp_path / "export"
+    proc = subprocess.Popen([sys.executable, "-m", "hal.tools.cli", "demo", "--no-cache", "--train-sequences", "8",
+                             "--train-steps", "400", "--export", str(export)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"generating training data")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 0 and err == "", err
+    assert export.is_dir() and not any(export.iterdir())  # made by the up-front check, never filled
+
+
+def test_an_interrupted_command_says_so_in_one_line() -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "hal.tools.cli", "demo", "--no-cache"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # into the work (imports and data generation), not a timing assertion
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["hal demo: interrupted"], (proc.returncode, err)

@@ -61,6 +61,8 @@ def test_reference_backend_passes_the_full_suite() -> None:
         "graph: DRAFT_EXTEND_V2 replay (every draft step)",
         "graph: padded batch",
         "errors: attention bad input",
+        "attention: NaN/inf in unseen slots",
+        "attention: NaN/inf in a new row",
     ):
         assert required in features
     for mode in ("EXTEND", "DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2"):

@@ -47,6 +47,7 @@ from hal.tools.conformance.attention_checks import (
     ATTENTION_PROFILES,
     attention_cases,
     attention_check,
+    new_row_key_cases,
     tree_cases,
     unseen_slot_cases,
 )
@@ -74,6 +75,7 @@ def build_suite(*, quick: bool = False, select: Sequence[str] = ()) -> list[Chec
         + [attention_check(c) for c in attention_cases(quick)]
         + [attention_check(c) for c in tree_cases(quick)]
         + [attention_check(c, poison_unseen=True) for c in unseen_slot_cases()]
+        + [attention_check(c, poison_new_key=True) for c in new_row_key_cases()]
         + graph_checks(quick)
         + error_checks()
     )

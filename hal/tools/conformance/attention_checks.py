@@ -142,18 +142,22 @@ def _case_features(case: AttentionCase) -> tuple[str, ...]:
     return tuple(features)
 
 
-def attention_check(case: AttentionCase, *, poison_unseen: bool = False) -> Check:
+def attention_check(case: AttentionCase, *, poison_unseen: bool = False, poison_new_key: bool = False) -> Check:
     """``case`` against the oracle; with ``poison_unseen``, over a pool whose rows that no token
     of the case owns hold NaN (K) and inf (V): pages are reused, and a kernel that reads a page's
-    tail or a shared window must mask those values out, not multiply them by zero."""
+    tail or a shared window must mask those values out, not multiply them by zero. With
+    ``poison_new_key``, one new row's key per request is NaN: it reaches exactly the rows that see
+    it (as NaN, never as a finite stand-in), and no row the causal or tree mask hides it from."""
 
     def fn(backend: Backend) -> None:
-        result = run_attention_case(backend, case, poison_unseen=poison_unseen)
+        result = run_attention_case(backend, case, poison_unseen=poison_unseen, poison_new_key=poison_new_key)
         if not result.passed:
             fail(result.detail)
 
     if poison_unseen:
         return Check(f"attention, NaN/inf in unseen slots, {case.describe()}", ("attention: NaN/inf in unseen slots",), fn)
+    if poison_new_key:
+        return Check(f"attention, NaN in a new row's key, {case.describe()}", ("attention: NaN/inf in a new row",), fn)
     return Check(f"attention {case.describe()}", _case_features(case), fn)
 
 
@@ -161,3 +165,9 @@ def unseen_slot_cases() -> list[AttentionCase]:
     """Every mode with and without a window and sinks, pages partly filled (a tail no row sees) and
     requests of unequal lengths: the quick suite's cases, trees included."""
     return attention_cases(quick=True) + tree_cases(quick=True)
+
+
+def new_row_key_cases() -> list[AttentionCase]:
+    """Blocks of several new rows per request (prefill, extend, chain and tree verify, draft
+    extend), with and without window and sinks: the quick suite's cases that have them."""
+    return [c for c in attention_cases(quick=True) + tree_cases(quick=True) if max(c.q_lens) >= 2]

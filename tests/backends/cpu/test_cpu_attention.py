@@ -527,3 +527,27 @@ def test_a_tree_of_many_rows_through_torchs_fused_attention_matches_the_oracle(w
                                  tree_parents=parents)
     assert_close(out, expect, torch.float32)
     assert fused_calls
+
+
+@pytest.mark.parametrize("q_len", [5, cpu_kernel.FUSED_MIN_ROWS + 4])
+def test_a_nan_key_in_a_new_row_reaches_only_the_rows_that_see_it(q_len: int) -> None:
+    """One request with 6 keys in the pool, a verify block whose second row's key is NaN: row 0
+    (the prefix and itself) is the oracle's and finite, every later row NaN, as the oracle's; on
+    the explicit, flash and fused paths alike."""
+    from hal.oracle import paged_oracle
+
+    backend = CpuBackend()
+    pool = backend.create_kv_pool(KVPoolSpec(1, 128, 16, 2, 32, 32, torch.float32))
+    kernel = backend.create_attention(pool)
+    layer = LayerSpec(0, 4, 2, 32, 32, 32**-0.5)
+    gen = torch.Generator().manual_seed(1)
+    prefix = build_metadata(ForwardMode.EXTEND, kv_lens=[6], q_lens=[6], page_table=[[1, 2, 3]], out_cache_loc=list(range(16, 22)), pool=pool)
+    kernel.forward(*(torch.randn(6, h, 32, generator=gen) for h in (4, 2, 2)), layer, kernel.plan(prefix))
+    md = build_metadata(ForwardMode.TARGET_VERIFY, kv_lens=[6 + q_len], q_lens=[q_len], page_table=[[1, 2, 3]],
+                        out_cache_loc=list(range(22, 22 + q_len)), pool=pool)
+    q, k, v = (torch.randn(q_len, h, 32, generator=gen) for h in (4, 2, 2))
+    k[1] = float("nan")
+    out = kernel.forward(q, k, v, layer, kernel.plan(md))
+    expect = paged_oracle(q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling)
+    assert out[0].isfinite().all() and out[1:].isnan().all()
+    torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5, equal_nan=True)

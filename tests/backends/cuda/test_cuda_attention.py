@@ -265,3 +265,25 @@ def test_split_kv_over_a_tree_matches_the_oracle(cuda: hal.Backend, num_splits: 
     torch.testing.assert_close(got.double(), expect, atol=2e-5, rtol=2e-5)
     chain = paged_oracle(*args, scaling=0.2, sliding_window=window, sinks=sink)
     assert (chain - expect).abs().max() > 0.1  # the tree matters
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_a_nan_key_reaches_exactly_the_rows_that_see_it_with_and_without_split_kv(cuda: hal.Backend, num_splits: int) -> None:
+    """A verify block of 3 rows whose second key is NaN: the first row (which does not see it) is
+    the oracle's, the two after it are NaN, as the oracle's are (never a finite stand-in)."""
+    from hal.backends.cuda.triton_attention import paged_attention as triton_paged
+    from hal.oracle import paged_oracle
+
+    gen = torch.Generator().manual_seed(5)
+    ps, hkv, hq, dk, dv, pages = 16, 2, 4, 24, 20, 64
+    k_cache, v_cache = torch.randn(pages + 1, ps, hkv, dk, generator=gen), torch.randn(pages + 1, ps, hkv, dv, generator=gen)
+    kv_lens = torch.tensor([1000], dtype=torch.int32)
+    table = (torch.randperm(pages, generator=gen)[:64] + 1).to(torch.int32)[None]
+    position = 1000 - 3 + 1  # the block's second row
+    k_cache[table[0, position // ps], position % ps] = float("nan")
+    q = torch.randn(3, hq, dk, generator=gen)
+    args = (q, k_cache, v_cache, table, kv_lens, torch.tensor([0, 3], dtype=torch.int32))
+    got = triton_paged(*args, scaling=0.2, sliding_window=None, sinks=None, query_rows_hint=3, num_splits=num_splits)
+    expect = paged_oracle(*args, scaling=0.2, sliding_window=None, sinks=None)
+    assert expect[0].isfinite().all() and expect[1:].isnan().all()
+    torch.testing.assert_close(got.double(), expect, atol=2e-5, rtol=2e-5, equal_nan=True)

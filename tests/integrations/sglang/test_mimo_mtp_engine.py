@@ -197,7 +197,7 @@ def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
     monkeypatch.setenv("HAL_SGLANG_EMULATE", "1")
     monkeypatch.setenv("HAL_NPU_EMULATOR_LOG", str(calls))
     name = str(dtype).removeprefix("torch.")
-    engine = {"dtype": name, "page_size": 128, "disable_cuda_graph": not graphs, "cuda_graph_max_bs_decode": len(PROMPTS)}
+    engine = {"dtype": name, "page_size": 128, "disable_cuda_graph": not graphs, "cuda_graph_bs_decode": list(range(1, len(PROMPTS) + 1))}
     plain = [o["output_ids"] for o in sglang_generate(model, speculative=False, **engine)]
     plain_calls = npu_emulator_calls(calls)
     calls.unlink()
