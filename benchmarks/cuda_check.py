@@ -232,10 +232,25 @@ def bench_split_kv(be: hal.Backend, quick: bool, emulate: bool) -> int:
 
 # -- 4. CUDA graph replay vs eager -----------------------------------------------------------------
 def bench_graphs(be: hal.Backend, quick: bool, emulate: bool) -> int:
+    batch_sizes = [1, 2, 4] if emulate else ([1, 8, 64] if quick else [1, 2, 4, 8, 16, 32, 64])
+    failures, _ = graph_replay_vs_eager(be, batch_sizes, emulate)
+    return failures
+
+
+def graph_vs_eager(be: hal.Backend, batch_sizes: list[int], *, rehearse: bool) -> dict[str, float]:
+    """eager ms / graph ms per decode step at each batch size (``AssertionError`` if a replay differs)."""
+    failures, ratios = graph_replay_vs_eager(be, batch_sizes, rehearse)
+    if failures:
+        raise AssertionError(f"{failures} graph replay(s) differ from the eager step")
+    return ratios
+
+
+def graph_replay_vs_eager(be: hal.Backend, batch_sizes: list[int], emulate: bool) -> tuple[int, dict[str, float]]:
+    """A 4-layer decode step (2 in the interpreter) through ``hal.GraphRunner`` and eagerly, per batch
+    size: the table, the failures (replay != eager) and eager/graph time per batch."""
     dtype = torch.float32 if emulate else torch.bfloat16
     hidden, hq, hkv, d, num_layers, ps = (64, 4, 2, 16, 2, 16) if emulate else (512, 8, 2, 64, 4, 16)
     layers = [LayerSpec(i, hq, hkv, d, d, scaling=d**-0.5, sliding_window=127 if i % 2 else None) for i in range(num_layers)]
-    batch_sizes = [1, 2, 4] if emulate else ([1, 8, 64] if quick else [1, 2, 4, 8, 16, 32, 64])
     kv_len = 40 if emulate else 512
     max_b = batch_sizes[-1]
     pages = max_b * (-(-(kv_len + 1) // ps)) + 1
@@ -268,7 +283,7 @@ def bench_graphs(be: hal.Backend, quick: bool, emulate: bool) -> int:
         max_pages_per_request=-(-(kv_len + 1) // ps), inputs={"x": ((hidden,), dtype)},
     )
     runner.capture()
-    rows, failures = [], 0
+    rows, failures, ratios = [], 0, {}
     for b in batch_sizes:
         md = build_metadata(
             ForwardMode.DECODE, kv_lens=[kv_len + 1] * b, q_lens=[1] * b, page_table=table.table(range(b)),
@@ -283,6 +298,7 @@ def bench_graphs(be: hal.Backend, quick: bool, emulate: bool) -> int:
         t_eager = median_ms(be, lambda: step(inputs, md))
         t_graph = median_ms(be, lambda: runner.run(inputs, md))
         target = " (target >= 3)" if b <= 8 else ""
+        ratios[f"batch {b}"] = round(t_eager / t_graph, 2)
         rows.append((str(b), f"{t_eager:.3f}", f"{t_graph:.3f}", f"{t_eager / t_graph:.2f}{target}", f"{err:.2g}" + ("" if ok else " FAIL")))
     _table(
         f"GraphRunner replay vs eager: {num_layers}-layer decode step, hidden {hidden}, kv_len {kv_len} "
@@ -290,7 +306,7 @@ def bench_graphs(be: hal.Backend, quick: bool, emulate: bool) -> int:
         ("batch", "eager ms", "graph ms", "eager/graph", "max|diff|"),
         rows,
     )
-    return failures
+    return failures, ratios
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,47 +1,51 @@
 #!/usr/bin/env bash
-# One pass of every GPU check and timing, in priority order, each step under its own time limit:
-# the users' configuration (bf16 / fp16 weights and KV, pages of 16-128, CUDA graphs) through
-# `hal demo` and `hal generate` with MTP, then `hal bench` against the plain decoder, then the
-# native conformance and kernel timings of benchmarks/cuda_check.py.
+# Every CUDA check and figure from one command that fits a lent GPU's budget (planned limits add up
+# to 7 minutes), in priority order, each step in its own process under its own limit. Each step
+# appends one JSON line (name, ok, seconds, figures, error) to OUT/results.jsonl as it ends, so a
+# killed session still returns everything before it (benchmarks/cuda_session.py says what each does).
 #
-#     bash benchmarks/cuda_session.sh [OUT_DIR]      # on a machine with an NVIDIA GPU and hal installed
+#     bash benchmarks/cuda_session.sh OUT CHECKPOINT             # on a machine with an NVIDIA GPU
+#     bash benchmarks/cuda_session.sh OUT CHECKPOINT --rehearse  # the same on the CPU: interpreter, tiny shapes
 #
-# Logs go to OUT_DIR/log (default ./cuda-session); the bench tables to OUT_DIR/bench/.
-# On a cold machine the first steps are dominated by Triton compiling the kernel's variants (a few
-# seconds each, one per tile shape, head layout and dtype); later steps reuse ~/.triton/cache. The
-# whole pass needs about 20 minutes on a cold machine.
+# CHECKPOINT: a MiMo-V2-Flash checkpoint exported on the CPU beforehand and carried along
+# (`hal demo --export DIR`): nothing is distilled on the device.
 set -uo pipefail
-out=${1:-cuda-session}
+out=${1:?usage: cuda_session.sh OUT CHECKPOINT [--rehearse]}
+checkpoint=${2:?usage: cuda_session.sh OUT CHECKPOINT [--rehearse]}
+mode=${3:-}
+here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-unset TRITON_INTERPRET
-failed=()
-step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name ($(date +%T), limit ${limit}s): $*"
-    local start=$SECONDS
-    timeout "$limit" "$@"
+: > "$out/results.jsonl"
+if [ "$mode" = --rehearse ]; then
+    export TRITON_INTERPRET=1
+    rehearse=--rehearse
+else
+    unset TRITON_INTERPRET
+    rehearse=
+fi
+step() {  # step NAME LIMIT_SECONDS: the step's own process, its record written by itself or, if killed, here
+    local name=$1 limit=$2 start=$SECONDS
+    echo "=== $name (limit ${limit}s)"
+    timeout "$limit" python3 "$here/cuda_session.py" "$name" --out "$out" --checkpoint "$checkpoint" $rehearse \
+        > "$out/$name.log" 2>&1
     local rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - start))s"
-    [ $rc -eq 0 ] || failed+=("$name (exit $rc)")
+    tail -n 1 "$out/$name.log"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        printf '{"name": "%s", "ok": false, "seconds": %d, "figures": {}, "error": "timed out after %ds"}\n' \
+            "$name" $((SECONDS - start)) "$limit" >> "$out/results.jsonl"
+    fi
 }
-{
-    nvidia-smi -L
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-    hal info
-    step "demo bf16, default pages" 300 hal demo --device cuda
-    step "export" 120 hal demo --device cuda --max-new-tokens 4 --export "$out/ckpt"
-    for s in 1 3; do
-        step "generate MTP S=$s, bf16, pages of 16" 45 hal generate --model "$out/ckpt" --device cuda \
-            --prompt-ids 5,6,7,8,9,10,11 --max-new-tokens 24 --speculative mtp --num-draft-steps $s --page-size 16 --json
-    done
-    step "generate greedy, bf16, pages of 16" 45 hal generate --model "$out/ckpt" --device cuda \
-        --prompt-ids 5,6,7,8,9,10,11 --max-new-tokens 24 --page-size 16 --json
-    rm -rf "$out/ckpt"
-    step "bench" 400 hal bench --device cuda --speculative --plain --out "$out/bench"
-    step "cuda_check" 400 python3 benchmarks/cuda_check.py
-    step "demo bf16, pages of 16" 60 hal demo --device cuda --page-size 16
-    step "demo fp16, pages of 128" 60 hal demo --device cuda --dtype float16 --page-size 128
-    step "demo float32 weights, bf16 KV" 60 hal demo --device cuda --dtype float32 --kv-dtype bfloat16
-    echo "failed steps: ${failed[*]:-none}"
-} 2>&1 | tee "$out/log"
+nvidia-smi -L > "$out/nvidia-smi.txt" 2>&1 || echo "no nvidia-smi" > "$out/nvidia-smi.txt"
+# Priority order; limits: 30 + 120 + 60 + 90 + 60 + 60 = 420 s (7 minutes).
+step environment 30
+step correctness 120
+step graphs 60
+step mtp 90
+step figures 60
+step bench 60
+echo "=== results: $out/results.jsonl"
+python3 - "$out/results.jsonl" <<'SUMMARY'
+import json, sys
+for row in map(json.loads, open(sys.argv[1])):
+    print(f"{row['name']}: {'ok' if row['ok'] else 'FAILED'} in {row['seconds']}s {row['error'] or ''}")
+SUMMARY
