@@ -43,6 +43,10 @@ SGLANG_INTERNALS: dict[str, tuple[str, ...]] = {
     "sglang.srt.speculative.ngram_info": ("NgramVerifyInput.tree_topk", "NgramVerifyInput.custom_mask"),
     # The resolved speculative configuration: speculative_eagle_topk, enable_multi_layer_eagle.
     "sglang.srt.runtime_context": ("get_spec",),
+    # The refusal at server-argument time: a hook after resolution, read through SGLang's view.
+    "sglang.srt.plugins.hook_registry": ("HookRegistry.register", "HookType.AFTER"),
+    "sglang.srt.server_args": ("ServerArgs.resolve_once",),
+    "sglang.srt.arg_groups.model_override_base": ("resolving_view",),
     "sglang.srt.layers.radix_attention": (
         "AttentionType.ENCODER_ONLY", "RadixAttention.layer_id", "RadixAttention.tp_q_head_num",
         "RadixAttention.tp_k_head_num", "RadixAttention.qk_head_dim", "RadixAttention.v_head_dim",

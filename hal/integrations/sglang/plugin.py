@@ -27,6 +27,38 @@ def register() -> None:
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
     register_attention_backend(NAME)(create_attention_backend)
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(RESOLVED_SERVER_ARGS, check_resolved_server_args, HookType.AFTER)
+
+
+#: Where SGLang resolves its server arguments, in the process that builds the engine, before any
+#: scheduler starts: hal refuses there what it cannot serve, so the refusal is an exception from
+#: ``sglang.Engine(...)`` instead of a scheduler that dies and takes the caller down later.
+RESOLVED_SERVER_ARGS = "sglang.srt.server_args.ServerArgs.resolve_once"
+
+
+def check_resolved_server_args(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """After SGLang resolved ``server_args``: a speculative configuration that asks for hal's attention
+    backend is checked as the first model runner would check it (``create_attention_backend``)."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    from hal.errors import UnsupportedConfigError
+
+    resolved = resolving_view(server_args)
+    backends = {getattr(resolved, name, None) for name in ("attention_backend", "speculative_draft_attention_backend")}
+    algorithm = getattr(resolved, "speculative_algorithm", None)
+    if NAME not in backends or not algorithm or str(algorithm).upper() == "NONE":
+        return None
+    if os.environ.get("SGLANG_PLATFORM") != NAME:
+        raise UnsupportedConfigError(
+            f"attention backend {NAME!r} serves speculative decoding ({algorithm}) through hal's platform: "
+            f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
+        )
+    check_speculative_configuration(algorithm, getattr(resolved, "speculative_eagle_topk", None),
+                                    edge_backend(getattr(resolved, "device", None) or "auto"),
+                                    multi_layer=bool(getattr(resolved, "enable_multi_layer_eagle", False)))
+    return None
 
 
 def create_attention_backend(model_runner: Any) -> Any:

@@ -69,3 +69,16 @@ def test_platform_hal_serves_with_hals_pool(tiny_llama: Path, sgl_kernel_calls: 
     served = {tuple(line.split()) for line in forwards.read_text().splitlines()}
     assert {("EXTEND", "HalMHATokenToKVPool"), ("DECODE", "HalMHATokenToKVPool")} <= served, served
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
+
+
+def test_a_speculative_configuration_hal_refuses_is_an_exception_from_engine(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked where SGLang resolves its server arguments, in the calling process: the caller gets
+    the refusal from ``sglang.Engine(...)`` (before, the scheduler refused and SGLang's handler then
+    killed the caller). The configurations hal serves start as before (every EAGLE engine test)."""
+    from hal.errors import UnsupportedConfigError
+
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    with pytest.raises(UnsupportedConfigError, match="set SGLANG_PLATFORM=hal in the environment that starts SGLang"):
+        sglang.Engine(model_path=str(tiny_llama), device="cpu", attention_backend="hal", skip_tokenizer_init=True,
+                      disable_cuda_graph=True, max_total_tokens=1024, speculative_algorithm="EAGLE", speculative_num_steps=2,
+                      speculative_eagle_topk=1, speculative_num_draft_tokens=3, speculative_draft_model_path=str(tiny_llama))
