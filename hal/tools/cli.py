@@ -210,6 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        return _run_command(args)
+    except KeyboardInterrupt:  # Ctrl-C, at any point of the command (its imports included)
+        print(f"hal {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """Import the command's module and run it; hal and file-system errors become one line."""
+    try:
         module = importlib.import_module(args._module)
     except ImportError as exc:  # an optional dependency of this command only; hal's own modules must import
         if (exc.name or "").partition(".")[0] == "hal":
@@ -231,9 +240,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # e.g. an output directory that cannot be written
         print(f"hal {args.command}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"hal {args.command}: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":
