@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import hal
 from hal.errors import UnsupportedConfigError
@@ -83,10 +85,22 @@ def in_tree_platform_class(engine: str, backend: hal.Backend) -> type:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
+def lazy_platform(build: Callable[[], type]) -> Callable[[str], Any]:
+    """A platform module's ``__getattr__``: ``HalPlatform`` is built by ``build`` on its first read
+    (when the engine activates hal), so importing the module resolves nothing."""
+
+    def module_getattr(name: str) -> Any:
+        if name == "HalPlatform":
+            return build()
+        raise AttributeError(f"module has no attribute {name!r}")
+
+    return module_getattr
+
+
 def reset_for_tests() -> None:
     """Forget the resolved backends (a test that changes the settings in one process)."""
     with _lock:
         _resolved.clear()
 
 
-__all__ = ["ENGINES", "IN_TREE_PLATFORMS", "device_setting", "edge_backend", "in_tree_platform_class"]
+__all__ = ["ENGINES", "IN_TREE_PLATFORMS", "device_setting", "edge_backend", "in_tree_platform_class", "lazy_platform"]

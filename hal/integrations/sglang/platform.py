@@ -14,7 +14,7 @@ import functools
 from typing import Any
 
 from hal.errors import UnsupportedConfigError
-from hal.integrations.edge import edge_backend, in_tree_platform_class
+from hal.integrations.edge import edge_backend, in_tree_platform_class, lazy_platform
 from hal.integrations.sglang.plugin import NAME, SPECULATIVE_ALGORITHMS, bound_to
 
 # SGLang resolves its platform while ``sglang.srt.platforms`` is still importing: this module
@@ -22,12 +22,6 @@ from hal.integrations.sglang.plugin import NAME, SPECULATIVE_ALGORITHMS, bound_t
 
 #: The phase the patched multi-layer EAGLE worker asks ``get_speculative_graph_runner_cls`` for.
 MULTI_LAYER_DRAFT_EXTEND = "multi_layer_draft_extend"
-
-
-def __getattr__(name: str) -> Any:
-    if name == "HalPlatform":
-        return platform_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache
@@ -111,3 +105,6 @@ def platform_class() -> type:
             return HalMultiStepDraftBackend(draft_model_runner, self.hal_backend, topk, num_steps)
 
     return HalPlatform
+
+
+__getattr__ = lazy_platform(platform_class)

@@ -14,14 +14,8 @@ import functools
 from typing import Any
 
 from hal.errors import UnsupportedConfigError
-from hal.integrations.edge import edge_backend, in_tree_platform_class
+from hal.integrations.edge import edge_backend, in_tree_platform_class, lazy_platform
 from hal.integrations.vllm.plugin import BACKEND_PATH, PLATFORM_ENV
-
-
-def __getattr__(name: str) -> Any:
-    if name == "HalPlatform":
-        return platform_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache
@@ -46,3 +40,6 @@ def platform_class() -> type:
             return BACKEND_PATH
 
     return HalPlatform
+
+
+__getattr__ = lazy_platform(platform_class)

@@ -166,6 +166,16 @@ def test_multi_layer_eagle_through_hal_in_low_precision_keeps_the_guarantee(
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
 
 
+def on_emulated_ascend(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The engines this test starts run hal's platform on hal's emulated Ascend backend; the file
+    their processes log the emulated calls to (``site/``)."""
+    calls = tmp_path / "npu_emulator_calls.txt"
+    for name, value in (("SGLANG_PLATFORM", "hal"), ("HAL_SGLANG_DEVICE", "npu"), ("HAL_SGLANG_EMULATE", "1"),
+                        ("HAL_NPU_EMULATOR_LOG", str(calls))):
+        monkeypatch.setenv(name, value)
+    return calls
+
+
 def npu_emulator_calls(log: Path) -> Counter[str]:
     """What hal's emulated Ascend runtime ran, counted over every SGLang process (``site/``)."""
     return Counter(log.read_text().split()) if log.exists() else Counter()
@@ -191,11 +201,7 @@ def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
     from tiny_mimo_checkpoints import hf_load
 
     model, expected, hf_dir = checkpoint
-    calls = tmp_path / "npu_emulator_calls.txt"
-    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
-    monkeypatch.setenv("HAL_SGLANG_DEVICE", "npu")
-    monkeypatch.setenv("HAL_SGLANG_EMULATE", "1")
-    monkeypatch.setenv("HAL_NPU_EMULATOR_LOG", str(calls))
+    calls = on_emulated_ascend(monkeypatch, tmp_path)
     name = str(dtype).removeprefix("torch.")
     engine = {"dtype": name, "page_size": 128, "disable_cuda_graph": not graphs, "cuda_graph_bs_decode": list(range(1, len(PROMPTS) + 1))}
     plain = [o["output_ids"] for o in sglang_generate(model, speculative=False, **engine)]
@@ -236,11 +242,7 @@ def test_sglang_on_hals_emulated_ascend_backend_at_tp2_equals_tp1(
     """Two ranks over gloo, each serving its share of the heads with its own emulated Ascend
     backend (FIA v2 per rank): multi-layer EAGLE in bf16 gives tp 1's tokens."""
     model, _, _ = checkpoint
-    calls = tmp_path / "npu_emulator_calls.txt"
-    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
-    monkeypatch.setenv("HAL_SGLANG_DEVICE", "npu")
-    monkeypatch.setenv("HAL_SGLANG_EMULATE", "1")
-    monkeypatch.setenv("HAL_NPU_EMULATOR_LOG", str(calls))
+    calls = on_emulated_ascend(monkeypatch, tmp_path)
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")  # SGLang's CPU scheduler binds one core set per rank
     one = [o["output_ids"] for o in sglang_generate(model, speculative=True, dtype="bfloat16", page_size=128)]
     one_calls = npu_emulator_calls(calls)
