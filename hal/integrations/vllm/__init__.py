@@ -20,6 +20,8 @@ TESTED_VLLM_VERSION = "0.32.0"
 #: Every vLLM name the adapters read, call or subclass, by module (vLLM 0.32.0), so an upgrade knows
 #: what to re-check; ``tests/integrations/vllm/test_plugin.py`` checks each still exists.
 VLLM_INTERNALS: dict[str, tuple[str, ...]] = {
+    # Where vLLM turns the asked-for backend into a class: hal refuses a substitute for "HAL" there.
+    "vllm.v1.attention.selector": ("_cached_get_attn_backend",),
     "vllm.v1.attention.backend": (
         "AttentionBackend", "AttentionImpl", "AttentionMetadataBuilder", "AttentionCGSupport.NEVER", "AttentionType.DECODER",
         "CommonAttentionMetadata", "MultipleOf", "AttentionBackend.forward_includes_kv_cache_update",

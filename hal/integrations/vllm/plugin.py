@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 #: The name vLLM knows hal's attention backend by.
 NAME = "HAL"
@@ -20,6 +21,34 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import register_backend
 
     register_backend(NAME, BACKEND_PATH)
+    refuse_a_substitute_for_hal()
+
+
+def refuse_a_substitute_for_hal() -> None:
+    """Asked for ``attention_backend="HAL"``, vLLM's CPU platform silently picks its own backend
+    unless hal's platform is active: wrap vLLM's backend selection so that such a substitution is an
+    ``UnsupportedConfigError`` naming ``HAL_VLLM_PLATFORM=1`` (a platform that honours the choice, and
+    every other choice, pass through unchanged)."""
+    from vllm.v1.attention import selector
+
+    chosen = selector._cached_get_attn_backend
+    if getattr(chosen, "refuses_hal_substitutes", False):
+        return
+
+    def select(backend: Any, *args: Any, **kwargs: Any) -> Any:
+        result = chosen(backend, *args, **kwargs)
+        asked = getattr(backend, "name", backend)
+        if asked == NAME and f"{result.__module__}.{result.__qualname__}" != BACKEND_PATH:
+            from hal.errors import UnsupportedConfigError
+
+            raise UnsupportedConfigError(
+                f"attention_backend={NAME!r} was asked for, and vLLM's platform chose {result.__qualname__} instead: "
+                f"set {PLATFORM_ENV}=1 (hal's platform) in the environment that starts vLLM"
+            )
+        return result
+
+    select.refuses_hal_substitutes = True  # type: ignore[attr-defined]
+    selector._cached_get_attn_backend = select
 
 
 def activate_platform() -> str | None:

@@ -57,6 +57,8 @@ def main(request: dict) -> dict:
     if "max_num_batched_tokens" in request:
         options["max_num_batched_tokens"] = request["max_num_batched_tokens"]
         options["enable_chunked_prefill"] = True
+    if request.get("attention_backend"):
+        options["attention_backend"] = request["attention_backend"]
     if request.get("speculative_config"):
         options["speculative_config"] = request["speculative_config"]
     started = time.perf_counter()

@@ -117,3 +117,13 @@ def test_the_tie_rule_refuses_a_clear_difference() -> None:
     clear_other_way = {"tokens": [[[1, 3]]], "likeliest": [[[[[1, -0.1], [5, -3.0]], [[3, -1.0], [2, -1.5]]]]]}
     with pytest.raises(AssertionError, match="not a tie"):
         assert_same_greedy_tokens(tokens, clear_other_way, tie=BF16_TIE)
+
+
+def test_asking_for_hal_without_its_platform_is_refused_by_name(checkpoints: dict[str, Any]) -> None:
+    """``attention_backend="HAL"`` without ``HAL_VLLM_PLATFORM=1``: vLLM's CPU platform would serve
+    the model with its own backend instead, silently; the engine refuses to start, naming the
+    variable. With the platform, the same request runs through hal."""
+    request = {"model": str(checkpoints["llama"]), "rounds": [[[1, 2, 3]]], "max_tokens": 2, "attention_backend": "HAL"}
+    with pytest.raises(AssertionError, match="set HAL_VLLM_PLATFORM=1"):
+        run_engine(request, hal=False)
+    assert run_engine(request, hal=True)["hal_forwards"] > 0
