@@ -55,8 +55,12 @@ def check_resolved_server_args(result: Any, server_args: Any, *args: Any, **kwar
             f"attention backend {NAME!r} serves speculative decoding ({algorithm}) through hal's platform: "
             f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
         )
-    check_speculative_configuration(algorithm, getattr(resolved, "speculative_eagle_topk", None),
-                                    edge_backend(getattr(resolved, "device", None) or "auto"),
+    from hal.integrations.edge import edge_backend as resolve
+
+    # The edge's backend: what hal's platform serves with in every SGLang process (this one may have
+    # resolved SGLang's platform before SGLANG_PLATFORM was set; the schedulers it starts will not).
+    backend = resolve("sglang", engine_device=getattr(resolved, "device", None))
+    check_speculative_configuration(algorithm, getattr(resolved, "speculative_eagle_topk", None), backend,
                                     multi_layer=bool(getattr(resolved, "enable_multi_layer_eagle", False)))
     return None
 
