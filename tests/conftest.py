@@ -5,10 +5,11 @@ hypothesis profiles.
   kernel module is imported, and transformers imports triton on its own, so whichever test ran
   first would otherwise decide whether the cuda backend's emulation can run at all. Tests of what
   happens without it start a clean subprocess.
-- Each test leaves the process as it found it: the NPU emulator (``torch_npu`` / ``torch.npu``),
-  which ``hal.get_backend("npu", emulate=True)`` installs process-wide, is removed again after a
-  test that installed it, and torch's thread count is restored, so no test passes or fails because
-  of which tests ran before it (the suite runs in random order: pytest-randomly).
+- Each test leaves the process as it found it: the NPU emulator installed process-wide as
+  ``torch_npu`` / ``torch.npu`` (``emulator.install()``, which only the emulator's own tests use:
+  ``hal.get_backend("npu", emulate=True)`` installs nothing) is removed again after a test that
+  installed it, and torch's thread count is restored, so no test passes or fails because of which
+  tests ran before it (the suite runs in random order: pytest-randomly).
 
 Hypothesis profiles:
 
