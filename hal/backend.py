@@ -183,4 +183,4 @@ class BackendBase:
         """Wait for all queued device work (a no-op where work runs synchronously)."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(device={self.device}{', emulated' if self.emulated else ''})"
+        return f"{type(self).__name__}(device={self.device}{', emulated' if getattr(self, 'emulated', False) else ''})"
