@@ -26,7 +26,7 @@ import torch
 
 from hal.errors import KVLayoutError, SpecError
 from hal.graph import is_capturing
-from hal.spec import ForwardMode, KVPoolSpec, int_at_least, strict_ints
+from hal.spec import ForwardMode, KVPoolSpec, host_copy, int_at_least, strict_ints
 from hal.tree import check_tree_mask, tree_depths
 
 
@@ -170,15 +170,6 @@ class AttentionMetadata:
         return out
 
 
-def _host_copy(tensor: torch.Tensor, where: str) -> torch.Tensor:
-    """A host copy of ``tensor`` (the builder reads its values); a tensor that holds none (on the
-    meta device) is refused by name instead of failing inside the copy."""
-    if tensor.device.type == "meta":
-        raise SpecError(f"{where} is a tensor on the meta device (shape {tuple(tensor.shape)}, no values); give it on the host "
-                        "or the backend's device")
-    return tensor.detach().to("cpu", copy=True)
-
-
 def check_metadata_against(metadata: AttentionMetadata, pool: AddressedPool) -> None:
     """Raise a typed error, before anything is written, if ``metadata`` does not fit ``pool``: the
     page size, the devices of its tensors, slots in range (and SWA-mapped on a hybrid pool), page
@@ -255,7 +246,7 @@ def build_metadata(
     if isinstance(out_cache_loc, torch.Tensor):
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
-        loc = _host_copy(out_cache_loc, "build_metadata: out_cache_loc").reshape(-1).to(torch.int64)
+        loc = host_copy(out_cache_loc, "build_metadata: out_cache_loc").reshape(-1).to(torch.int64)
     else:
         loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
     kv_t = torch.tensor(kv, dtype=torch.int32)
@@ -268,7 +259,7 @@ def build_metadata(
             raise SpecError(f"build_metadata: a tree_mask belongs to TARGET_VERIFY batches, got {mode.name}")
         if len(set(q)) > 1:
             raise SpecError(f"build_metadata: TARGET_VERIFY needs the same q_len for every request, got {q}")
-        tree_host = _host_copy(tree_mask, "build_metadata: tree_mask") if isinstance(tree_mask, torch.Tensor) else tree_mask
+        tree_host = host_copy(tree_mask, "build_metadata: tree_mask") if isinstance(tree_mask, torch.Tensor) else tree_mask
         check_tree_mask(tree_host, len(q), q[0] if q else 0, "build_metadata")
         depth = tree_depths(tree_host)
         positions = (torch.tensor([k - n for k, n in zip(kv, q)], dtype=torch.int64)[:, None] + depth).reshape(-1)
@@ -330,7 +321,7 @@ def _table_from_tensor(
 ) -> torch.Tensor:
     """The int32 block table ``[B, width]`` from a 2-D integer tensor, checked with tensor ops
     (every row holds ``pages.shape[1]`` entries, zeros past a request's own pages)."""
-    pages = _host_copy(pages, "build_metadata: page_table")
+    pages = host_copy(pages, "build_metadata: page_table")
     strict_ints(pages[:0], "build_metadata: page_table[0]")  # the dtype check, no elements
     if pages.shape[0] != len(kv):
         raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")

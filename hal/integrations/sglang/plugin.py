@@ -43,18 +43,12 @@ def check_resolved_server_args(result: Any, server_args: Any, *args: Any, **kwar
     backend is checked as the first model runner would check it (``create_attention_backend``)."""
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
-    from hal.errors import UnsupportedConfigError
-
     resolved = resolving_view(server_args)
     backends = {getattr(resolved, name, None) for name in ("attention_backend", "speculative_draft_attention_backend")}
     algorithm = getattr(resolved, "speculative_algorithm", None)
     if NAME not in backends or not algorithm or str(algorithm).upper() == "NONE":
         return None
-    if os.environ.get("SGLANG_PLATFORM") != NAME:
-        raise UnsupportedConfigError(
-            f"attention backend {NAME!r} serves speculative decoding ({algorithm}) through hal's platform: "
-            f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
-        )
+    require_platform(algorithm)
     from hal.integrations.edge import edge_backend as resolve
 
     # The edge's backend: what hal's platform serves with in every SGLang process (this one may have
@@ -69,16 +63,12 @@ def create_attention_backend(model_runner: Any) -> Any:
     """SGLang's factory signature: the backend for one model runner. Speculative decoding through
     hal needs hal's platform (it supplies the draft backend and runner): asked for it without
     ``SGLANG_PLATFORM=hal``, the first runner refuses at start-up, naming the variable."""
-    from hal.errors import UnsupportedConfigError
     from hal.integrations.sglang.attention import HalAttnBackend
 
     algorithm = getattr(model_runner, "spec_algorithm", None)
     speculative = algorithm is not None and not algorithm.is_none()
-    if algorithm is not None and speculative and os.environ.get("SGLANG_PLATFORM") != NAME:
-        raise UnsupportedConfigError(
-            f"attention backend {NAME!r} serves speculative decoding ({algorithm.name}) through hal's platform: "
-            f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
-        )
+    if algorithm is not None and speculative:
+        require_platform(algorithm.name)
     backend = edge_backend(model_runner.device)
     if algorithm is not None and speculative:
         from sglang.srt.runtime_context import get_spec
@@ -87,6 +77,18 @@ def create_attention_backend(model_runner: Any) -> Any:
         check_speculative_configuration(algorithm.name, spec.speculative_eagle_topk, backend,
                                         multi_layer=bool(spec.enable_multi_layer_eagle))
     return HalAttnBackend(model_runner, backend)
+
+
+def require_platform(algorithm: Any) -> None:
+    """Speculative decoding through hal needs hal's platform (it supplies the draft backend and
+    runner): ``UnsupportedConfigError`` naming the variable without ``SGLANG_PLATFORM=hal``."""
+    from hal.errors import UnsupportedConfigError
+
+    if os.environ.get("SGLANG_PLATFORM") != NAME:
+        raise UnsupportedConfigError(
+            f"attention backend {NAME!r} serves speculative decoding ({algorithm}) through hal's platform: "
+            f"set SGLANG_PLATFORM={NAME} in the environment that starts SGLang"
+        )
 
 
 def check_speculative_configuration(algorithm: str, topk: Any, backend: Any, *, multi_layer: bool = False) -> None:
