@@ -559,8 +559,10 @@ def _attend_group(
 def _all_finite(keys: torch.Tensor) -> bool:
     """Whether every key is finite. The fused and flash kernels hide a key by adding -inf to its
     score (NaN + -inf is NaN), so a non-finite key some rows must not see goes to the explicit
-    matmuls, which overwrite hidden scores instead (a row that sees it still gets its NaN)."""
-    return bool(torch.isfinite(keys).all())
+    matmuls, which overwrite hidden scores instead (a row that sees it still gets its NaN). One sum
+    over the keys carries any NaN or inf into a single value without a mask the size of the keys
+    (a finite sum that overflows only sends the group to the slower, still exact, path)."""
+    return bool(torch.isfinite(keys.sum()))
 
 
 def _rows_of(ctx: torch.Tensor, zero_rows: torch.Tensor | None) -> torch.Tensor:
