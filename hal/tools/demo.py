@@ -36,7 +36,7 @@ def make_prompts(batch_size: int, vocab_size: int, seed: int) -> list[list[int]]
     return [torch.randint(1, vocab_size, (5 + 3 * i,), generator=gen).tolist() for i in range(batch_size)]
 
 
-PHASE_LABELS = {"data": "generating training data", "train": "distilling MTP blocks"}
+PHASE_LABELS = {"data": "generating training data", "train": "distilling MTP blocks", "decode": "decoding (plain, then MTP)"}
 
 
 def reader_left(stream: TextIO) -> bool:
@@ -55,7 +55,8 @@ def reader_left(stream: TextIO) -> bool:
 
 def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], None]:
     """A one-line text progress bar per phase, redrawn only when the bar grows. On a stream that
-    is not a terminal (a log file, a pipe) it writes one line per phase, when the phase ends."""
+    is not a terminal (a log file, a pipe) it writes a line when the phase starts and at each
+    quarter of it, so a log shows what a long run is doing without a line per step."""
     width = 30
     drawn: dict[str, int] = {}
     terminal = bool(getattr(stream, "isatty", lambda: False)())
@@ -63,17 +64,16 @@ def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], 
     def show(phase: str, done: int, total: int, loss: float | None) -> None:
         if reader_left(stream):  # hal demo | head -1: stop working, not only writing, once the reader is gone
             raise BrokenPipeError(f"the reader of {getattr(stream, 'name', 'the output')} has gone")
-        if not terminal and done != total:
+        total = max(total, 1)
+        mark = (width if terminal else 4) * done // total  # what a line shows: bar cells, or quarters
+        if drawn.get(phase) == mark and done != total:
             return
-        filled = width * done // max(total, 1)
-        if drawn.get(phase) == filled and done != total:
-            return
-        drawn[phase] = filled
+        drawn[phase] = mark
+        filled = width * done // total
         label = PHASE_LABELS.get(phase, phase)
         tail = f" loss {loss:.3f}" if loss is not None else ""
-        stream.write(f"{chr(13) if terminal else ''}{label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}")
-        if done == total:
-            stream.write("\n")
+        line = f"{label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}"
+        stream.write(f"\r{line}" + ("\n" if done == total else "") if terminal else f"{line}\n")
         stream.flush()
 
     return show
@@ -154,17 +154,23 @@ def setup(
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run the demo; returns 0 when speculative output equals plain greedy output (in float32) or
     departs from it only at near-ties that the dtype's rounding explains (bf16, fp16), 1 otherwise."""
-    demo = setup(args, args.batch_size, progress=progress_printer(out))
+    progress = progress_printer(out)
+    demo = setup(args, args.batch_size, progress=progress)
     model, report, plain, spec = demo.model, demo.report, demo.plain, demo.spec
     pool = spec.target_pool.spec
     where = f"loaded from {report.cache_path}" if report.from_cache else f"trained in {report.seconds:.1f}s"
     print(f"MTP blocks: {where}", file=out)
     prompts = make_prompts(args.batch_size, model.config.vocab_size, args.seed)
     # One untimed warm-up each, so graph capture and first-call costs stay out of the figures.
+    progress("decode", 0, 4, None)
     plain.generate(prompts[:1], 2)
+    progress("decode", 1, 4, None)
     spec.generate(prompts[:1], 2)
+    progress("decode", 2, 4, None)
     base = plain.generate(prompts, args.max_new_tokens)
+    progress("decode", 3, 4, None)
     fast = spec.generate(prompts, args.max_new_tokens)
+    progress("decode", 4, 4, None)
     identical = base.tokens == fast.tokens
     speedup = fast.tokens_per_second / base.tokens_per_second
     print(f"backend: {spec.backend_name} (device {spec.device}{', emulated' if args.emulate else ''})", file=out)

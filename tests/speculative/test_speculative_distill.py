@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hal.errors import SpecError
+from hal.spec import LayerSpec
 from hal.speculative.distill import (
     DenseAttend,
     DistillConfig,
@@ -86,3 +87,35 @@ def test_bad_distill_config_raises() -> None:
         DistillConfig(max_prompt_len=30, seq_len=32)
     with pytest.raises(SpecError, match="batch_size"):
         DistillConfig(batch_size=0)
+
+
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (3, True), (None, True), (5, False)])
+def test_dense_attend_is_the_oracle_batched(window: int | None, with_sinks: bool) -> None:
+    """DenseAttend (training's and the demo judge's attention) equals hal.oracle.dense_attention run
+    request by request, in float64, gradients included."""
+    from hal.oracle import dense_attention
+
+    gen = torch.Generator().manual_seed(3)
+    n, t, hq, hkv = 3, 9, 4, 2
+    layer = LayerSpec(layer_id=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=6, v_head_dim=5, scaling=0.4,
+                      sliding_window=window)
+    q = torch.randn(n * t, hq, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(n * t, hkv, 6, generator=gen, dtype=torch.float64)
+    v = torch.randn(n * t, hkv, 5, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(hq, generator=gen, dtype=torch.float64) if with_sinks else None
+    got = DenseAttend(n, t)(layer, q, k, v, sinks)
+    want = dense_attention(q, k.split(t), v.split(t), [t] * n, scaling=0.4, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (grad_got,) = torch.autograd.grad(got.sum(), q)
+    (grad_want,) = torch.autograd.grad(want.sum(), q)
+    torch.testing.assert_close(grad_got, grad_want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_weight_fingerprint_reads_every_byte_of_the_float32_values() -> None:
+    """The cache key hashes each weight's float32 bytes (copied in one call): a strided bf16 tensor
+    gives the bytes of its float32, contiguous copy, element by element."""
+    from hal.speculative.distill import _raw_bytes
+
+    weight = torch.randn(6, 5, dtype=torch.bfloat16).t()
+    expected = bytes(weight.to(torch.float32).contiguous().untyped_storage())  # element by element, slow
+    assert _raw_bytes(weight) == expected and len(expected) == 30 * 4

@@ -41,6 +41,7 @@ def test_spec_decode_runs_and_finds_mtp_lossless() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # two minutes of Triton interpreter on a 2-core machine
 def test_cuda_session_rehearses_every_step_within_its_planned_seven_minutes(tmp_path: Path) -> None:
     """``benchmarks/cuda_session.sh`` on the CPU (Triton interpreter, tiny shapes, a tiny exported
     checkpoint): every step writes its JSON line and passes, and the limits it plans on a GPU add
