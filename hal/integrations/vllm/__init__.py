@@ -6,7 +6,11 @@
 - ``plugin.activate_platform`` (group ``vllm.platform_plugins``) names ``platform.HalPlatform``
   only when ``HAL_VLLM_PLATFORM=1``: installing hal never changes which platform vLLM picks. The
   platform is the in-tree one for hal's device with ``HAL`` as its attention backend (on the CPU,
-  vLLM's platform otherwise picks its own backend whatever is asked).
+  vLLM's platform otherwise picks its own backend whatever is asked). Under it hal serves every
+  attention layer, those whose backend the model picks itself included (MiMo-V2-Flash's diff-KV
+  layers), or vLLM's model construction fails naming the layer.
+- ``patches/``: what vLLM itself needs changed (``.ci/apply-vllm-patches``), each with a test of
+  the pinned source before and after.
 
 Importing this package imports nothing from vLLM; its modules import vLLM when vLLM loads them.
 The vLLM internals they touch are listed in ``VLLM_INTERNALS``.
@@ -26,10 +30,14 @@ VLLM_INTERNALS: dict[str, tuple[str, ...]] = {
         "AttentionBackend", "AttentionImpl", "AttentionMetadataBuilder", "AttentionCGSupport.NEVER", "AttentionType.DECODER",
         "CommonAttentionMetadata", "MultipleOf", "AttentionBackend.forward_includes_kv_cache_update",
     ),
-    "vllm.v1.attention.backends.registry": ("register_backend",),
+    # Under hal's platform the diff-KV backends a model names itself resolve to hal's (plugin.MODEL_CHOSEN_BACKENDS).
+    "vllm.v1.attention.backends.registry": (
+        "register_backend", "AttentionBackendEnum.FLASH_ATTN_DIFFKV", "AttentionBackendEnum.TRITON_ATTN_DIFFKV",
+    ),
     "vllm.v1.kv_cache_layout": ("KVCacheLayout.LBHNC", "KVCacheLayout.LBNHC"),
     "vllm.config": ("get_layers_from_vllm_config",),
-    "vllm.model_executor.layers.attention": ("Attention",),
+    # Under hal's platform a layer built with another backend is refused as Attention.__init__ returns.
+    "vllm.model_executor.layers.attention": ("Attention", "Attention.__init__"),
     "vllm.platforms.cpu": ("CpuPlatform",),
     # Also named, untested here (no CUDA, no vllm-ascend): vllm.platforms.cuda.CudaPlatform and
     # vllm_ascend.platform.NPUPlatform, the bases of hal's platform on those devices.

@@ -100,6 +100,18 @@ class HalAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
 
+    @classmethod
+    def set_head_size_v(cls, head_size_v: int) -> None:
+        """What vLLM's diff-KV backends take from a model before its layers are built (MiMo-V2-Flash
+        calls it); hal reads each layer's ``head_size_v`` from the layer itself, so this records nothing."""
+
+    @classmethod
+    def is_supported_on_current_device(cls, head_size: int, head_size_v: int, has_sinks: bool = False) -> bool:
+        """Asked by a model choosing among vLLM's diff-KV backends (which hal's platform maps to this
+        one, ``plugin.MODEL_CHOSEN_BACKENDS``): yes, and what the edge's kernel cannot take is refused
+        when the layer's pool and kernel are built."""
+        return True
+
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
         return [MultipleOf(1)]
@@ -205,25 +217,34 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalForwardMetadata]):
         return HalForwardMetadata(plan=kernel.plan(metadata), kernel=kernel, pool_layers=self.pool_layers, num_actual_tokens=n)
 
 
+def block_geometry(blocks: int, kv_heads: int, block_size: int, head_dim: int, v_head_dim: int) -> tuple[int, int, int]:
+    """What decides where hal's planes put a layer's block ``b``: the block count and the K and V
+    elements one block holds. Layers sharing one KV tensor agree on every block when these agree."""
+    return int(blocks), block_size * kv_heads * head_dim, block_size * kv_heads * v_head_dim
+
+
 def _check_shared_caches(vllm_config: VllmConfig, spec: KVPoolSpec, layer_names: list[str]) -> None:
     """vLLM may back layers of different KV-cache groups with one tensor (one block id belongs to
-    one group at a time). hal's planes keep block ``b`` of every sharer in the same place only if
-    they view the memory alike: a sharer with other heads or dims is refused by name."""
+    one group at a time), evening out their pages by block size (MiMo-V2-Flash's full layers, with
+    half the SWA layers' KV heads, get blocks of twice the tokens). hal's planes put block ``b``'s K
+    at ``b`` K-blocks into the K plane and its V at ``b`` V-blocks into the V plane, so sharers agree
+    when their blocks hold as many K and as many V elements; a sharer that does not is refused by name."""
     ours = set(layer_names)
     everyone = get_layers_from_vllm_config(vllm_config, Attention)
     mine = {everyone[name].kv_cache.data_ptr(): name for name in layer_names if name in everyone}
+    block = block_geometry(spec.num_pages + 1, spec.kv_heads, spec.page_size, spec.head_dim, spec.v_head_dim)
     for name, layer in everyone.items():
         if name in ours or layer.kv_cache.numel() == 0:
             continue
         sharer = mine.get(layer.kv_cache.data_ptr())
         if sharer is None:
             continue
-        geometry = (layer.num_kv_heads, layer.head_size, layer.head_size_v)
-        if geometry != (spec.kv_heads, spec.head_dim, spec.v_head_dim):
+        blocks, heads, tokens = layer.kv_cache.shape[:3]  # logical [blocks, heads, block_size, head_dim + v_head_dim]
+        theirs = block_geometry(blocks, heads, tokens, layer.head_size, layer.head_size_v)
+        if theirs != block:
             raise KVLayoutError(
-                f"{_WHERE}: vLLM backs layers {sharer} and {name} with one KV tensor, but their (kv_heads, head_dim, "
-                f"v_head_dim) are {(spec.kv_heads, spec.head_dim, spec.v_head_dim)} and {geometry}; hal's K/V planes "
-                "would place their blocks differently"
+                f"{_WHERE}: vLLM backs layers {sharer} and {name} with one KV tensor, but their (blocks, K elements per "
+                f"block, V elements per block) are {block} and {theirs}; hal's K/V planes would place their blocks differently"
             )
 
 

@@ -22,6 +22,41 @@ def register() -> None:
 
     register_backend(NAME, BACKEND_PATH)
     refuse_a_substitute_for_hal()
+    if os.environ.get(PLATFORM_ENV) == "1":
+        serve_every_attention_layer()
+
+
+#: vLLM's backends that a model may pick for itself, bypassing the platform (MiMo-V2-Flash does for
+#: its qk != v layers): under hal's platform hal's backend stands behind their names.
+MODEL_CHOSEN_BACKENDS = ("FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV")
+
+
+def serve_every_attention_layer() -> None:
+    """Under hal's platform every attention layer is hal's: the backends a model names itself
+    (``MODEL_CHOSEN_BACKENDS``) resolve to hal's, and a layer built with any other backend is an
+    ``UnsupportedConfigError`` naming the layer and that backend, while vLLM builds the model."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    for name in MODEL_CHOSEN_BACKENDS:
+        register_backend(AttentionBackendEnum[name], BACKEND_PATH)
+    init = Attention.__init__
+    if getattr(init, "serves_only_hal", False):
+        return
+
+    def hal_only(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        backend = self.attn_backend
+        if f"{backend.__module__}.{backend.__qualname__}" != BACKEND_PATH:
+            from hal.errors import UnsupportedConfigError
+
+            raise UnsupportedConfigError(
+                f"{PLATFORM_ENV}=1: attention layer {getattr(self, 'layer_name', '?')} was built with vLLM's "
+                f"{backend.get_name()} backend; under hal's platform hal serves every attention layer or the model is refused"
+            )
+
+    hal_only.serves_only_hal = True  # type: ignore[attr-defined]
+    Attention.__init__ = hal_only
 
 
 def refuse_a_substitute_for_hal() -> None:

@@ -5,7 +5,9 @@ The tests run it in a fresh process per engine (vLLM resolves its platform once 
 JSON object: ``model``, ``dtype``, ``block_size``, ``rounds`` (lists of prompts, generated one round
 after another so later rounds can hit the prefix cache), ``max_tokens``, and optional
 ``max_num_batched_tokens`` (chunked prefill), ``speculative_config``, ``max_model_len``, ``logprobs``
-(how many of the most likely tokens to report at each generated position, as ``[token, logprob]`` pairs).
+(how many of the most likely tokens to report at each generated position, as ``[token, logprob]`` pairs),
+``module_files`` (vLLM modules to load from other source files first: a pinned file without hal's
+patch, for a before/after test; the engine then runs in this process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,20 @@ import time
 RESULT_MARK = "ENGINE_RESULT "
 
 
+def load_module_files(files: dict[str, str]) -> None:
+    """Put each named module, executed from the given file, in ``sys.modules`` before vLLM imports it."""
+    import importlib.util
+
+    for name, path in files.items():
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
 def main(request: dict) -> dict:
+    load_module_files(request.get("module_files", {}))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -75,3 +75,55 @@ def test_importing_the_platform_module_resolves_nothing() -> None:
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_under_hals_platform_every_attention_layer_is_hals_or_refused_as_it_is_built() -> None:
+    """With ``HAL_VLLM_PLATFORM=1`` the diff-KV backends a model names itself (MiMo-V2-Flash) resolve
+    to hal's, and a layer built with any other backend class fails as vLLM builds it, naming the layer."""
+    code = textwrap.dedent(
+        f"""
+        import os
+        os.environ[{PLATFORM_ENV!r}] = "1"
+        from hal.errors import UnsupportedConfigError
+        from hal.integrations.vllm.attention import HalAttentionBackend
+        from hal.integrations.vllm.plugin import register
+        register()
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        assert AttentionBackendEnum.FLASH_ATTN_DIFFKV.get_class() is HalAttentionBackend
+        assert AttentionBackendEnum.TRITON_ATTN_DIFFKV.get_class() is HalAttentionBackend
+
+        class AnotherBackend(HalAttentionBackend):
+            pass
+
+        with set_current_vllm_config(VllmConfig()):
+            Attention(2, 32, 0.1, num_kv_heads=1, prefix="model.layers.0.attn", attn_backend=HalAttentionBackend)
+            try:
+                Attention(2, 32, 0.1, num_kv_heads=1, prefix="model.layers.1.attn", attn_backend=AnotherBackend)
+            except UnsupportedConfigError as exc:
+                assert "model.layers.1.attn" in str(exc), exc
+            else:
+                raise AssertionError("a layer on another backend was built under hal's platform")
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_layers_sharing_a_kv_tensor_agree_when_their_blocks_hold_as_many_k_and_v_elements() -> None:
+    """MiMo-V2-Flash under vLLM: a full layer with 1 KV head and blocks of 32 tokens shares a tensor
+    with a sliding-window layer with 2 KV heads and blocks of 16; hal's planes put each block of both
+    at the same place (checked on the memory), and other head dims would not."""
+    from hal.integrations.vllm.attention import block_geometry
+
+    blocks, dk, dv = 5, 6, 4
+    memory = torch.arange(blocks * 32 * (dk + dv), dtype=torch.float32)
+    full = KVPoolSpec(num_layers=1, size=(blocks - 1) * 32, page_size=32, kv_heads=1, head_dim=dk, v_head_dim=dv, dtype=torch.float32)
+    window = KVPoolSpec(num_layers=1, size=(blocks - 1) * 16, page_size=16, kv_heads=2, head_dim=dk, v_head_dim=dv, dtype=torch.float32)
+    assert block_geometry(blocks, 1, 32, dk, dv) == block_geometry(blocks, 2, 16, dk, dv)
+    full_k, full_v = layer_planes(memory.view(blocks, 1, 32, dk + dv), full, "full")
+    window_k, window_v = layer_planes(memory.view(blocks, 2, 16, dk + dv), window, "window")
+    for b in range(blocks):
+        assert torch.equal(full_k[b].reshape(-1), window_k[b].reshape(-1))
+        assert torch.equal(full_v[b].reshape(-1), window_v[b].reshape(-1))
+    assert block_geometry(blocks, 1, 32, dk, dv) != block_geometry(blocks, 2, 16, dk + 2, dv - 2)
