@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+import hal
 from hal.integrations.sglang import mimo_rope_override
 from hal.tools.testing import save_published_copy, save_random_llama
 
@@ -39,7 +40,7 @@ def make_mimo_mtp(directory: Path, steps: int) -> Path:
     from hal.speculative.model import TinyConfig, TinyMiMo
 
     tiny = TinyMiMo(TinyConfig(num_mtp_layers=steps))
-    distill(tiny)
+    distill(tiny, hal.get_backend("cpu"))
     return save_published_copy(tiny.save_pretrained(directory / "transformers"), directory / "published")
 
 

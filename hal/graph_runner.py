@@ -175,11 +175,8 @@ class GraphRunner:
         self.batch_sizes = sizes
         self.max_pages_per_request = max_pages_per_request
         self.fill = attention.seq_len_fill_value if seq_len_fill_value is None else seq_len_fill_value
-        if not isinstance(self.fill, int) or isinstance(self.fill, bool) or self.fill < 1:
-            raise SpecError(
-                f"GraphRunner: seq_len_fill_value must be an int >= 1, got {self.fill!r}: kv_lens include the "
-                "new tokens, so a padded request's first token sees at least itself"
-            )
+        # kv_lens include the new tokens, so a padded request's first token sees at least itself
+        int_at_least(self.fill, 1, "GraphRunner: seq_len_fill_value")
         self.eager_fallback = eager_fallback
         self.tp_group = tp_group
         self.trees = trees
@@ -318,11 +315,7 @@ def pad_metadata(
     b = metadata.batch_size
     if batch_size < b:
         raise SpecError(f"pad_metadata: batch_size={batch_size} is below the real batch of {b}")
-    if not isinstance(fill, int) or isinstance(fill, bool) or fill < 1:
-        raise SpecError(
-            f"pad_metadata: fill must be an int >= 1, got {fill!r} (kv_lens include the new tokens, so a "
-            "padded request's first token sees at least itself)"
-        )
+    int_at_least(fill, 1, "pad_metadata: fill")  # kv_lens include the new tokens: a padded row sees itself
     if b and q_len is not None and q_len != metadata.q_lens_cpu[0]:
         raise SpecError(f"pad_metadata: q_len={q_len} but the batch has q_len {metadata.q_lens_cpu[0]}")
     if not metadata.mode.has_uniform_query_len():

@@ -15,7 +15,7 @@ import torch
 
 from hal.errors import CacheLocationError, KVLayoutError, PoolTooLargeError
 from hal.graph import is_capturing
-from hal.spec import KVPoolSpec
+from hal.spec import KVPoolSpec, int_at_least
 
 if TYPE_CHECKING:
     from hal.plan import ForwardPlan
@@ -118,8 +118,7 @@ class SplitKVPool:
 
     # -- layout ----------------------------------------------------------------------------
     def _check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.spec.num_layers:
-            raise KVLayoutError(f"layer {layer!r} out of range: the pool has layers 0..{self.spec.num_layers - 1}")
+        int_at_least(layer, 0, "layer", KVLayoutError, maximum=self.spec.num_layers - 1)
 
     def k_buffer(self, layer: int) -> torch.Tensor:
         """``[num_pages + 1, page_size, kv_heads, head_dim]`` view of one layer's K."""

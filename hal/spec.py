@@ -87,15 +87,18 @@ def strict_int(value: Any, what: str) -> int:
         raise SpecError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
 
 
-def int_at_least(value: Any, minimum: int, what: str, error: type[HalError] = SpecError) -> int:
-    """``value`` as an int (``strict_int``'s rules: no bool, no float) that is at least ``minimum``;
-    else ``error`` naming ``what``, the bound and the value."""
+def int_at_least(
+    value: Any, minimum: int, what: str, error: type[HalError] = SpecError, *, maximum: int | None = None
+) -> int:
+    """``value`` as an int (``strict_int``'s rules: no bool, no float) that is at least ``minimum``
+    (and at most ``maximum`` when given); else ``error`` naming ``what``, the bounds and the value."""
     try:
         number = strict_int(value, what)
     except SpecError:
         number = None
-    if number is None or number < minimum:
-        raise error(f"{what} must be an int >= {minimum}, got {value!r}")
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise error(f"{what} must be an int {bounds}, got {value!r}")
     return number
 
 
@@ -282,10 +285,7 @@ class KVPoolSpec:
 
     def layer_dims(self, layer_id: int) -> tuple[int, int, int]:
         """(kv_heads, head_dim, v_head_dim) of one layer."""
-        if not 0 <= layer_id < self.num_layers:
-            raise KVLayoutError(
-                f"layer {layer_id} out of range: the pool has layers 0..{self.num_layers - 1}"
-            )
+        int_at_least(layer_id, 0, "layer", KVLayoutError, maximum=self.num_layers - 1)
         if self.is_swa_layer(layer_id):
             assert self.swa is not None
             return self.swa.kv_heads, self.swa.head_dim, self.swa.v_head_dim

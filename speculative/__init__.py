@@ -2,7 +2,7 @@
 
     import hal
     from hal.speculative import MultiLayerEagleWorker, GreedyDecoder, TinyConfig, TinyMiMo, distill
-    model = TinyMiMo(TinyConfig()); distill(model)
+    model = TinyMiMo(TinyConfig()); distill(model, hal.get_backend("cpu"))
     spec = MultiLayerEagleWorker(model, hal.get_backend("cpu"), num_steps=3)   # the backend, resolved once
     print(spec.generate([[1, 2, 3]], 32).tokens)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import attrs
 import torch
 
-import hal
+from hal.protocols import Backend
 
 from hal.errors import SpecError
 from hal.spec import LayerSpec
@@ -111,6 +111,7 @@ class DenseAttend:
 
 def greedy_sequences(
     model: TinyMiMo,
+    backend: Backend,
     config: DistillConfig,
     *,
     seed_offset: int = 0,
@@ -118,7 +119,7 @@ def greedy_sequences(
     progress: Progress | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, seq_len]`` random prompts followed by the target's greedy continuation (decoded through
-    hal on the CPU backend), and the prompt lengths."""
+    hal on ``backend``), and the prompt lengths."""
     from hal.speculative.engine import GreedyDecoder
 
     num = config.num_sequences if num is None else num
@@ -127,8 +128,8 @@ def greedy_sequences(
     prompt_lens = [rng.randint(config.min_prompt_len, config.max_prompt_len) for _ in range(num)]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in prompt_lens]
     batch = min(num, 128)  # large decode batches amortise the per-step overhead
-    decoder = GreedyDecoder(  # training data is made on the CPU, whatever the model later runs on
-        model, hal.get_backend("cpu"), max_batch_size=batch, max_seq_len=config.seq_len, page_size=16, graph_batch_sizes=[batch]
+    decoder = GreedyDecoder(
+        model, backend, max_batch_size=batch, max_seq_len=config.seq_len, page_size=16, graph_batch_sizes=[batch]
     )
     rows: list[list[int]] = []
     chunks = range(0, num, batch)
@@ -193,7 +194,7 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
 def _fingerprint(model: TinyMiMo) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
-        if not name.startswith("mtp_blocks."):
+        if not name.startswith("mtp."):
             h.update(name.encode())
             h.update(_raw_bytes(p.detach()))
     return h.hexdigest()[:16]
@@ -209,6 +210,7 @@ def cache_path_for(model: TinyMiMo, config: DistillConfig, cache_dir: Path | str
 
 def distill(
     model: TinyMiMo,
+    backend: Backend,
     config: DistillConfig = DistillConfig(),
     *,
     cache_dir: Path | str | None = None,
@@ -216,24 +218,26 @@ def distill(
     progress: Progress | None = None,
     evaluate: bool = False,
 ) -> DistillReport:
-    """Train ``model``'s MTP blocks in place (or load them from the cache)."""
+    """Train ``model``'s MTP blocks in place (or load them from the cache); the training data is
+    the target's greedy output decoded on ``backend`` (the CPU's in ``hal demo``, whatever the model
+    later runs on: the cache key does not name the backend)."""
     start = time.perf_counter()
     path = cache_path_for(model, config, cache_dir) if use_cache else None
     heldout: tuple[float, ...] = ()
     if path is not None and path.exists():
         state = torch.load(path, map_location="cpu", weights_only=True)
-        model.mtp_blocks.load_state_dict(state)
+        model.mtp.load_state_dict(state)
         from_cache, final_loss = True, None
     else:
         from_cache = False
-        final_loss = _train(model, config, progress)
+        final_loss = _train(model, backend, config, progress)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{random.getrandbits(32):08x}")
-            torch.save({k: v.to("cpu") for k, v in model.mtp_blocks.state_dict().items()}, tmp)
+            torch.save({k: v.to("cpu") for k, v in model.mtp.state_dict().items()}, tmp)
             tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     if evaluate:
-        tokens, lens = greedy_sequences(model, config, seed_offset=1, num=32)
+        tokens, lens = greedy_sequences(model, backend, config, seed_offset=1, num=32)
         heldout = mtp_accuracy(model, tokens, lens)
     return DistillReport(from_cache, path, time.perf_counter() - start, final_loss, heldout)
 
@@ -255,8 +259,8 @@ def _only_mtp_trainable(model: TinyMiMo) -> Iterator[list[torch.nn.Parameter]]:
             p.requires_grad_(True)
 
 
-def _train(model: TinyMiMo, config: DistillConfig, progress: Progress | None) -> float | None:
-    tokens, prompt_lens = greedy_sequences(model, config, progress=progress)
+def _train(model: TinyMiMo, backend: Backend, config: DistillConfig, progress: Progress | None) -> float | None:
+    tokens, prompt_lens = greedy_sequences(model, backend, config, progress=progress)
     hidden = _target_hidden(model, tokens)
     s = model.config.num_mtp_layers
     inputs = [_mtp_inputs(tokens, prompt_lens, k) for k in range(s)]

@@ -1,7 +1,7 @@
 """The engine half of hal's decoders: requests, the paged KV of the target, prefill, the generate
 loop, and ``GreedyDecoder`` (plain greedy decoding, the speed baseline and the lossless oracle).
 
-Engines are handed a backend (or a device string they resolve once) and get from it every KV pool,
+Engines are handed a backend (``hal.get_backend``) and get from it every KV pool,
 attention kernel and graph; nothing here knows which device it runs on. ``hal.speculative.mtp``
 builds the multi-layer EAGLE worker on ``TargetEngine``.
 """

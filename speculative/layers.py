@@ -1,10 +1,48 @@
 """Layers MiMo-V2-style models share: RMSNorm as MiMo-V2-Flash computes it, partial RoPE, the
-dense SwiGLU MLP."""
+dense SwiGLU MLP, and the engines' interface over a decoder stack with MTP layers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from hal.speculative.contract import Attend, ModelSpec
+
+
+class MTPDecoderStack(nn.Module):
+    """``EngineModel`` for a model built as ``embed_tokens``, decoder ``layers``, a final ``norm`` and
+    ``lm_head``, with MTP layers ``mtp`` that share its embedding and lm_head (both of hal's models);
+    ``config.model_spec(dtype)`` describes it."""
+
+    config: Any
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+    lm_head: nn.Linear
+    mtp: nn.ModuleList
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The engines' view; its dtype is the embedding's (whatever ``to(dtype)`` last made the weights)."""
+        return self.config.model_spec(self.embed_tokens.weight.dtype)  # type: ignore[no-any-return]
+
+    def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The final-normed hidden state: what lm_head reads and what the MTP layers take."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, attend)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+    def mtp_hidden(
+        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """MTP layer ``step`` at position ``p`` reads ``(target_hidden[p], token[p + step + 1])``."""
+        return self.mtp[step](self.embed_tokens(input_ids), target_hidden, positions, attend)  # type: ignore[no-any-return]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
 
 
 class RMSNorm(nn.Module):

@@ -27,7 +27,7 @@ from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo_config import AttentionShape, MiMoConfig
 from hal.speculative.contract import Attend, ModelSpec
-from hal.speculative.layers import MLP, RMSNorm
+from hal.speculative.layers import MLP, MTPDecoderStack, RMSNorm
 
 Progress = Callable[[int, int], None]
 
@@ -194,7 +194,7 @@ class MTPLayer(nn.Module):
         return self.final_layernorm(x)
 
 
-class MiMoV2Flash(nn.Module):
+class MiMoV2Flash(MTPDecoderStack):
     """The model, with ``target_hidden`` / ``mtp_hidden`` / ``logits`` for hal's engines.
 
     With a ``tp`` group of N ranks this is one rank's shard (``config`` is then the rank's share,
@@ -227,26 +227,6 @@ class MiMoV2Flash(nn.Module):
         """With ``tie_word_embeddings`` the lm_head is the embedding (one parameter; ``to_empty`` unties it)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    # -- the engines' interface -------------------------------------------------------------
-    @property
-    def spec(self) -> ModelSpec:
-        """The engines' view; its dtype is the weights' (the router's float32 aside)."""
-        return self.config.model_spec(self.embed_tokens.weight.dtype)
-
-    def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions, attend)
-        return self.norm(x)
-
-    def mtp_hidden(
-        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        return self.mtp[step](self.embed_tokens(input_ids), target_hidden, positions, attend)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     # -- loading ---------------------------------------------------------------------------
     def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor, int | None, Shard | None]]:

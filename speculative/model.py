@@ -26,7 +26,7 @@ from torch import nn
 from hal.errors import SpecError
 from hal.spec import LayerSpec, positive_field
 from hal.speculative.contract import Attend, ModelSpec
-from hal.speculative.layers import MLP, PartialRotary, RMSNorm
+from hal.speculative.layers import MLP, MTPDecoderStack, PartialRotary, RMSNorm
 
 
 @attrs.frozen
@@ -168,7 +168,7 @@ class MTPBlock(nn.Module):
         return self.final_norm(self.layer(x, positions, attend))
 
 
-class TinyMiMo(nn.Module):
+class TinyMiMo(MTPDecoderStack):
     """Target model plus ``num_mtp_layers`` MTP blocks sharing its embedding and lm_head.
 
     ``target_hidden(...)`` returns the final-normed hidden state (what lm_head reads and what the MTP
@@ -180,11 +180,11 @@ class TinyMiMo(nn.Module):
     def __init__(self, config: TinyConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, config.target_layer_spec(i)) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp_blocks = nn.ModuleList(MTPBlock(config, k) for k in range(config.num_mtp_layers))
+        self.mtp = nn.ModuleList(MTPBlock(config, k) for k in range(config.num_mtp_layers))
         self.reset_parameters(config.seed)
 
     @torch.no_grad()
@@ -197,7 +197,7 @@ class TinyMiMo(nn.Module):
                 value = torch.ones(p.shape)
             elif name.endswith("sinks"):
                 value = torch.randn(p.shape, generator=gen) * 0.5
-            elif name == "embed.weight":
+            elif name == "embed_tokens.weight":
                 value = torch.randn(p.shape, generator=gen)
             else:
                 fan_in = p.shape[1]
@@ -209,28 +209,8 @@ class TinyMiMo(nn.Module):
                 value = torch.randn(p.shape, generator=gen) * std
             p.copy_(value.to(p.device))
 
-    @property
-    def spec(self) -> ModelSpec:
-        """The engines' view; its dtype is the weights' (whatever ``to(dtype)`` last made them)."""
-        return self.config.model_spec(self.embed.weight.dtype)
-
-    def target_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions, attend)
-        return self.norm(x)
-
-    def mtp_hidden(
-        self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        """MTP block ``step`` at position ``p`` reads ``(target_hidden[p], token[p + step + 1])``."""
-        return self.mtp_blocks[step](self.embed(input_ids), target_hidden, positions, attend)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     def mtp_parameters(self) -> list[nn.Parameter]:
-        return list(self.mtp_blocks.parameters())
+        return list(self.mtp.parameters())
 
     # -- the published MiMo-V2-Flash checkpoint format ---------------------------------------
     def checkpoint_config(self) -> dict[str, Any]:
@@ -279,12 +259,12 @@ class TinyMiMo(nn.Module):
             return out
 
         tensors: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
+            "model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
         }  # fmt: skip
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             tensors.update(block(f"model.layers.{i}.", layer, "post_attention_layernorm"))
-        for k, mtp in enumerate(self.mtp_blocks):
+        for k, mtp in enumerate(self.mtp):
             assert isinstance(mtp, MTPBlock)
             prefix = f"model.mtp.layers.{k}."
             tensors.update(block(prefix, mtp.layer, "pre_mlp_layernorm"))

@@ -34,7 +34,7 @@ import torch
 from hal.errors import SpecError
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import Backend
-from hal.spec import ForwardMode, KVPoolSpec
+from hal.spec import ForwardMode, KVPoolSpec, int_at_least
 from hal.speculative.chain import greedy_accept, rotate_input_ids
 from hal.speculative.engine import KernelAttend, Request, TargetEngine
 from hal.speculative.contract import EngineModel
@@ -45,8 +45,7 @@ class MultiLayerEagleWorker(TargetEngine):
 
     def __init__(self, model: EngineModel, backend: Backend, *, num_steps: int = 3, **kwargs: object) -> None:
         available = model.spec.num_draft_layers
-        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or not 1 <= num_steps <= available:
-            raise SpecError(f"num_steps must be an int in 1..{available} (the model's MTP blocks), got {num_steps!r}")
+        int_at_least(num_steps, 1, "num_steps (one per MTP block of the model)", maximum=available)
         self.num_steps = num_steps
         self.lookahead = num_steps
         self.draft_layers = model.spec.draft_layers[:num_steps]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import hal
 from hal.errors import ResultMismatchError
 from hal.protocols import Backend
 from hal.speculative import GenerationResult
@@ -27,7 +28,7 @@ def _distilled_demo_model() -> Any:
     from hal.speculative.model import TinyConfig, TinyMiMo
 
     model = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=3))
-    distill(model, DistillConfig())  # cached after the first run
+    distill(model, hal.get_backend("cpu"), DistillConfig())  # cached after the first run
     return model
 
 

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import attrs
 import torch
 
+import hal
 from hal.errors import SpecError
 from hal.protocols import Backend
 from hal.speculative.distill import DenseAttend, DistillConfig, DistillReport, distill
@@ -130,7 +131,9 @@ def setup(
     tiny = TinyMiMo(TinyConfig(seed=args.seed, num_mtp_layers=args.num_steps))
     check_kv_dtype_option(backend, tiny.spec.target_layers + tiny.spec.draft_layers, args)  # before training
     overrides = {k: v for k, v in (("steps", args.train_steps), ("num_sequences", args.train_sequences)) if v is not None}
-    report = distill(tiny, attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache, progress=progress)
+    # The training data is decoded on the CPU backend, whatever the demo then runs on.
+    report = distill(tiny, hal.get_backend("cpu"), attrs.evolve(DistillConfig(), **overrides), use_cache=not args.no_cache,
+                     progress=progress)
     # The demo runs what it exports: a MiMo-V2-Flash checkpoint (transformers loads it too).
     with tempfile.TemporaryDirectory() as scratch:
         directory = tiny.save_pretrained(args.export or scratch)

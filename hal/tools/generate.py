@@ -18,6 +18,7 @@ import torch
 
 from hal.distributed import init_tensor_parallel, launch_environment, shutdown
 from hal.errors import CheckpointError, SpecError
+from hal.spec import int_at_least
 from hal.protocols import Backend
 from hal.speculative import GenerationResult, GreedyDecoder, MultiLayerEagleWorker
 from hal.speculative.checkpoint import Checkpoint
@@ -154,8 +155,7 @@ def run(args: argparse.Namespace) -> int:
     backend = backend_from_args(args)  # an unknown or unavailable device fails before loading
     spec = config.model_spec()
     check_kv_dtype_option(backend, spec.target_layers + spec.draft_layers[: draft_steps(args)], args)
-    if not isinstance(args.tp, int) or args.tp < 1:
-        raise SpecError(f"--tp must be an int >= 1, got {args.tp!r}")
+    int_at_least(args.tp, 1, "--tp")
     launched = launch_environment()
     if launched is not None:
         result = decode(args, prompts, backend)

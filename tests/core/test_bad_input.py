@@ -409,7 +409,7 @@ MUTATIONS: dict[str, Callable[[World, Any], tuple[Callable[[], Any], type[HalErr
     "sinks shape": lambda w, n: (lambda: w.forward_swa(sinks=w.sinks[:1].expand(n + HQ + 1)), SpecError, f"sinks have shape ({n + HQ + 1},)"),
     "sinks missing": lambda w, _: (lambda: w.forward_swa(sinks=None), SpecError, "has_sinks=True but sinks were not given"),
     "layer dims": lambda w, n: (lambda: w.forward_swa(layer=attrs.evolve(SWA, num_kv_heads=4)), KVLayoutError, "the pool stores (2, 128, 128)"),
-    "layer id": lambda w, n: (lambda: w.forward_swa(layer=attrs.evolve(SWA, layer_id=2 + n)), KVLayoutError, f"layer {2 + n} out of range"),
+    "layer id": lambda w, n: (lambda: w.forward_swa(layer=attrs.evolve(SWA, layer_id=2 + n)), KVLayoutError, f"layer must be an int in 0..1, got {2 + n}"),
     "swa without window": lambda w, _: (lambda: w.forward_swa(layer=attrs.evolve(SWA, sliding_window=None)), SpecError, "sliding_window is None"),
     "slot above": lambda w, n: (lambda: w.forward_swa(metadata=bad_metadata(w, loc=9 * PAGE + n)), CacheLocationError, f"cache location {9 * PAGE + n}"),
     "slot negative": lambda w, n: (lambda: w.forward_swa(metadata=bad_metadata(w, loc=-1 - n)), CacheLocationError, f"cache location {-1 - n}"),

@@ -233,9 +233,9 @@ def corrupt(kind: str, pool: SplitKVPool, mapping: dict[int, int], layer: int, l
         "k_meta": ((layer, loc, k.to("meta"), v), "k is on meta"),
         "v_meta": ((layer, loc, k, v.to("meta")), "v is on meta"),
         "k_not_tensor": ((layer, loc, k.tolist(), v), "k must be a tensor"),
-        "layer_above": ((spec.num_layers, loc, k, v), f"layer {spec.num_layers} out of range"),
-        "layer_negative": ((-1, loc, k, v), "layer -1 out of range"),
-        "layer_bool": ((True, loc, k, v), "layer True out of range"),
+        "layer_above": ((spec.num_layers, loc, k, v), f"layer must be an int in 0..{spec.num_layers - 1}, got {spec.num_layers}"),
+        "layer_negative": ((-1, loc, k, v), f"layer must be an int in 0..{spec.num_layers - 1}, got -1"),
+        "layer_bool": ((True, loc, k, v), f"layer must be an int in 0..{spec.num_layers - 1}, got True"),
     }
     args, fragment = table[kind]
     return args, KVLayoutError, fragment
@@ -435,7 +435,7 @@ def test_swa_calls_on_a_pool_without_swa_raise() -> None:
 def test_bad_layer_on_buffer_accessors_raises() -> None:
     pool = SplitKVPool(KVPoolSpec(2, 8, 4, 1, 2, 2))
     for call in (pool.k_buffer, pool.v_buffer, pool.is_swa_layer, pool.num_slots):
-        with pytest.raises(KVLayoutError, match="layer 2 out of range"):
+        with pytest.raises(KVLayoutError, match=r"layer must be an int in 0\.\.1, got 2"):
             call(2)
 
 

@@ -108,7 +108,7 @@ def test_kv_pool_spec_derived_values() -> None:
 @pytest.mark.parametrize("layer_id", [-1, 4])
 def test_layer_dims_out_of_range(layer_id: int) -> None:
     spec = KVPoolSpec(4, 64, 8, 2, 32, 16)
-    with pytest.raises(KVLayoutError, match=f"layer {layer_id}"):
+    with pytest.raises(KVLayoutError, match=rf"layer must be an int in 0\.\.3, got {layer_id}"):
         spec.layer_dims(layer_id)
 
 

@@ -37,9 +37,9 @@ PER_LAYER: dict[str, set[str] | None] = {
     "backends/cuda/triton_attention.py": EVERY_FUNCTION,
     "backends/npu/attention.py": {"check_supported", "fia_arguments", "_attend"},
     "backends/npu/kv_pool.py": EVERY_FUNCTION,
-    "speculative/model.py": {"forward", "target_hidden", "mtp_hidden", "logits"},
-    "speculative/layers.py": {"forward"},
-    "speculative/mimo.py": {"forward", "route", "target_hidden", "mtp_hidden", "logits", "_grouped_mm"},
+    "speculative/model.py": {"forward"},
+    "speculative/layers.py": {"forward", "target_hidden", "mtp_hidden", "logits"},
+    "speculative/mimo.py": {"forward", "route", "_grouped_mm"},
     "speculative/engine.py": {"__call__"},
 }
 READ_BACKS = {"item", "tolist", "cpu", "numpy"}

@@ -27,7 +27,7 @@ MAX_SEQ = 96
 def model(tmp_path_factory: pytest.TempPathFactory) -> TinyMiMo:
     """A small model whose MTP blocks were distilled briefly, so drafts are often accepted."""
     m = TinyMiMo(SMALL)
-    distill(m, DistillConfig(num_sequences=48, seq_len=40, steps=60, batch_size=16), cache_dir=tmp_path_factory.mktemp("mtp"))
+    distill(m, hal.get_backend("cpu"), DistillConfig(num_sequences=48, seq_len=40, steps=60, batch_size=16), cache_dir=tmp_path_factory.mktemp("mtp"))
     return m
 
 

@@ -41,7 +41,7 @@ def test_layer_specs_full_vs_swa() -> None:
             assert layer.attn.sinks is not None and layer.attn.sinks.shape == (cfg.num_q_heads,)
             assert spec.num_kv_heads == cfg.swa_kv_heads
     assert cfg.full_kv_heads != cfg.swa_kv_heads  # GQA with different KV-head counts
-    for k, block in enumerate(model.mtp_blocks):
+    for k, block in enumerate(model.mtp):
         spec = block.layer.attn.spec
         assert spec.layer_id == k and spec.is_swa and spec.has_sinks and spec.num_kv_heads == cfg.swa_kv_heads
         assert block.eh_proj.in_features == 2 * cfg.hidden_size
@@ -167,6 +167,6 @@ def test_dense_attend_trains_the_sinks() -> None:
     ids = torch.randint(0, 64, (24,))
     logits = model.logits(model.mtp_hidden(0, ids, torch.randn(24, cfg.hidden_size), attend.positions, attend))
     torch.nn.functional.cross_entropy(logits, torch.randint(0, 64, (24,))).backward()
-    sinks = model.mtp_blocks[0].layer.attn.sinks
+    sinks = model.mtp[0].layer.attn.sinks
     assert sinks is not None and sinks.grad is not None and bool(sinks.grad.abs().sum() > 0)
     assert all(p.grad is not None for p in model.mtp_parameters())

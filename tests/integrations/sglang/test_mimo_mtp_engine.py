@@ -27,6 +27,7 @@ pytest.importorskip("sglang")
 import sglang  # noqa: E402
 import torch  # noqa: E402
 
+import hal  # noqa: E402
 from hal.integrations.sglang import mimo_rope_override  # noqa: E402
 from hal.speculative.distill import distill  # noqa: E402
 from hal.speculative.mimo_config import MiMoConfig  # noqa: E402
@@ -46,7 +47,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     """The published-form checkpoint with MTP layers, transformers' greedy tokens, and the
     transformers-form copy (the oracle's)."""
     tiny = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=STEPS))
-    distill(tiny)
+    distill(tiny, hal.get_backend("cpu"))
     hf_dir = tiny.save_pretrained(tmp_path_factory.mktemp("mimo-mtp-transformers"))
     oracle = transformers.MiMoV2FlashForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", use_kernels=False).eval()
     with torch.no_grad():

@@ -57,7 +57,7 @@ def mimo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The published checkpoint with three distilled MTP layers, its transformers form, and
     transformers' float32 greedy tokens for every round."""
     tiny = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=3))
-    distill(tiny)
+    distill(tiny, hal.get_backend("cpu"))
     hf_dir = tiny.save_pretrained(tmp_path_factory.mktemp("mimo-transformers"))
     oracle = transformers.MiMoV2FlashForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", use_kernels=False).eval()
     rounds = _rounds()
