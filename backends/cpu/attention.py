@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from hal.backends.cpu.paged_attention import GatherWorkspace, paged_attention, plan_attention
+from hal.backends.cpu.paged_attention import GatherWorkspace, paged_attention
+from hal.backends.cpu.tile_plan import plan_attention
 from hal.sdk import AttentionKernelBase, ForwardPlan, KVPool, LayerSpec
 
 

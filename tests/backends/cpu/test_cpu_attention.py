@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hal.backends.cpu.paged_attention as cpu_kernel
+import hal.backends.cpu.tile_plan as tile_plan
 from hal.backends.cpu import CpuBackend
 from hal.backends.cpu.paged_attention import paged_attention
 from hal.oracle import dense_attention
@@ -185,7 +186,7 @@ def test_every_mode_and_feature_matches_dense_oracle(mode, window, sinks, hybrid
 @pytest.mark.parametrize("window, sinks, hybrid", [(None, True, False), (3, True, True)])
 def test_one_request_per_gather_chunk_matches_dense_oracle(mode, window, sinks, hybrid, monkeypatch) -> None:
     """A chunk budget below one request's K/V attends every request in its own group."""
-    monkeypatch.setattr(cpu_kernel, "GATHER_CHUNK_BYTES", 1)
+    monkeypatch.setattr(tile_plan, "GATHER_CHUNK_BYTES", 1)
     layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
     kv = [19, 4, 0, 9] if mode is M.EXTEND else [19, 4, 9]
     q = [7, 4, 0, 9] if mode is M.EXTEND else [{M.DECODE: 1, M.TARGET_VERIFY: 4}[mode]] * 3
@@ -199,8 +200,8 @@ def test_one_request_per_gather_chunk_matches_dense_oracle(mode, window, sinks, 
 def test_consecutive_pages_are_read_in_place_and_match_dense_oracle(mode, window, sinks, hybrid, dtype, monkeypatch) -> None:
     """Requests whose pages are consecutive in the pool are attended over views of the cache (no
     gather), one tile at a time; shuffled pages are gathered. Both equal the dense oracle."""
-    monkeypatch.setattr(cpu_kernel, "VIEW_MIN_TILE_BYTES", 0)
-    monkeypatch.setattr(cpu_kernel, "EXTEND_TILE_ROWS", 3)  # prompt tiles below FUSED_MIN_ROWS
+    monkeypatch.setattr(tile_plan, "VIEW_MIN_TILE_BYTES", 0)
+    monkeypatch.setattr(tile_plan, "EXTEND_TILE_ROWS", 3)  # prompt tiles below FUSED_MIN_ROWS
     in_place = []
     original = cpu_kernel._attend_in_place
     monkeypatch.setattr(cpu_kernel, "_attend_in_place", lambda *a: in_place.append(a[3].tiles) or original(*a))
@@ -227,7 +228,7 @@ def test_equal_requests_on_evenly_spaced_pages_are_one_strided_view(mode, window
     a budget of one byte): through torch's flash kernel where the qk head dim is at least v's (V
     read qk-wide), else the explicit matmuls. Both equal the dense oracle."""
     if group_bytes is not None:
-        monkeypatch.setattr(cpu_kernel, "STRIDED_GROUP_BYTES", group_bytes)
+        monkeypatch.setattr(tile_plan, "STRIDED_GROUP_BYTES", group_bytes)
     views, flash = [], []
     view, attention = cpu_kernel._strided_view, cpu_kernel._attention
     monkeypatch.setattr(cpu_kernel, "_strided_view", lambda *a, **k: views.append(a[1].tiles) or view(*a, **k))
@@ -284,12 +285,12 @@ def strided_cases(draw):
 @EXPENSIVE
 @given(case=strided_cases(), group_bytes=st.sampled_from([None, 1, 4096]))
 def test_strided_plan_matches_dense_oracle(case, group_bytes) -> None:
-    saved = cpu_kernel.STRIDED_GROUP_BYTES
-    cpu_kernel.STRIDED_GROUP_BYTES = saved if group_bytes is None else group_bytes
+    saved = tile_plan.STRIDED_GROUP_BYTES
+    tile_plan.STRIDED_GROUP_BYTES = saved if group_bytes is None else group_bytes
     try:
         out, expect = run_cpu_kernel(**case)
     finally:
-        cpu_kernel.STRIDED_GROUP_BYTES = saved
+        tile_plan.STRIDED_GROUP_BYTES = saved
     assert_close(out, expect, case["dtype"])
 
 
@@ -310,7 +311,7 @@ def test_a_cache_with_gaps_between_pages_is_read_tile_by_tile(q_len, window, sin
     q = torch.randn(b * q_len, 4, dk, generator=gen)
     sink_logits = torch.randn(4, generator=gen) if sinks else None
     cu = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32)
-    plan = cpu_kernel.plan_attention(kv_lens, [q_len] * b, table, ps, sliding_window=window,
+    plan = tile_plan.plan_attention(kv_lens, [q_len] * b, table, ps, sliding_window=window,
                                               token_bytes=hkv * (dk + dv) * 4, in_place=True)
     assert [g.strided is not None for g in plan.groups] == [True]
     out = paged_attention(q, k_cache, v_cache, table, torch.tensor(kv_lens, dtype=torch.int32), cu, scaling=layer.scaling,
@@ -327,11 +328,11 @@ def test_gather_chunks_group_consecutive_requests_within_the_budget() -> None:
     block_table = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 0], [7, 0]])
     kv_lens = [8, 4, 5, 3, 1]  # pages 2, 1, 2, 1, 1
     token = hkv * (dk + dv) * 4
-    plan = cpu_kernel.plan_attention(kv_lens, [1] * 5, block_table, ps, sliding_window=None, token_bytes=token,
+    plan = tile_plan.plan_attention(kv_lens, [1] * 5, block_table, ps, sliding_window=None, token_bytes=token,
                                               chunk_bytes=16 * token)
     assert [g.tiles for g in plan.groups] == [2, 2, 1]  # 8x2 fits, 8x3 does not; 8x2 again; the last alone
     assert [g.pages for g in plan.groups] == [2, 2, 1]
-    plan = cpu_kernel.plan_attention(kv_lens, [1] * 5, block_table, ps, sliding_window=None, token_bytes=token,
+    plan = tile_plan.plan_attention(kv_lens, [1] * 5, block_table, ps, sliding_window=None, token_bytes=token,
                                               chunk_bytes=1)
     assert [g.tiles for g in plan.groups] == [1] * 5
 
@@ -341,9 +342,9 @@ def test_gather_chunks_group_consecutive_requests_within_the_budget() -> None:
 def test_prefill_cut_into_tiles_matches_dense_oracle(window, sinks, hybrid, chunk_bytes, monkeypatch) -> None:
     """Prompts longer than a tile (tiles of 3 rows here): tiles that start mid-page, end mid-page,
     follow a cached prefix, and are grouped together or one by one."""
-    monkeypatch.setattr(cpu_kernel, "EXTEND_TILE_ROWS", 3)
+    monkeypatch.setattr(tile_plan, "EXTEND_TILE_ROWS", 3)
     if chunk_bytes is not None:
-        monkeypatch.setattr(cpu_kernel, "GATHER_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(tile_plan, "GATHER_CHUNK_BYTES", chunk_bytes)
     layer = LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)
     out, expect = run_cpu_kernel(M.EXTEND, layer, [23, 10, 1, 7], [11, 10, 1, 2], page_size=4, dtype=torch.float32,
                                 seed=5, hybrid=hybrid)
@@ -354,9 +355,9 @@ def test_prefill_cut_into_tiles_matches_dense_oracle(window, sinks, hybrid, chun
 def test_prompts_without_a_prefix_are_causal_squares_and_match_dense_oracle(dtype, monkeypatch) -> None:
     """Without sinks on a full layer, a prompt with no cached prefix is attended as one causal
     square (torch's causal kernel); prompts after a prefix still go by row tiles."""
-    monkeypatch.setattr(cpu_kernel, "EXTEND_TILE_ROWS", 3)
+    monkeypatch.setattr(tile_plan, "EXTEND_TILE_ROWS", 3)
     kv_lens, q_lens = [13, 10, 9, 2], [13, 4, 9, 2]
-    plan = cpu_kernel.plan_attention(kv_lens, q_lens, torch.zeros(4, 4, dtype=torch.int32), 4, sliding_window=None,
+    plan = tile_plan.plan_attention(kv_lens, q_lens, torch.zeros(4, 4, dtype=torch.int32), 4, sliding_window=None,
                                               token_bytes=64, fused=True)
     assert sorted(g.causal_square for g in plan.groups if g.causal_square) == [9, 13]
     causal = []
@@ -372,7 +373,7 @@ def test_prompts_without_a_prefix_are_causal_squares_and_match_dense_oracle(dtyp
 def test_prompt_tiles_through_torchs_fused_attention_match_dense_oracle(window, monkeypatch) -> None:
     """Prompt tiles after a cached prefix (no sinks, qk == v dims) go through torch's fused
     attention with a mask; tiles of 3 rows here, each fused."""
-    monkeypatch.setattr(cpu_kernel, "EXTEND_TILE_ROWS", 3)
+    monkeypatch.setattr(tile_plan, "EXTEND_TILE_ROWS", 3)
     monkeypatch.setattr(cpu_kernel, "FUSED_MIN_ROWS", 3)
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -386,7 +387,7 @@ def test_prompt_tiles_through_torchs_fused_attention_match_dense_oracle(window, 
 def test_a_causal_square_refuses_sinks() -> None:
     from hal.errors import SpecError
 
-    plan = cpu_kernel.plan_attention([200], [200], torch.arange(1, 51, dtype=torch.int32).view(1, 50), 4,
+    plan = tile_plan.plan_attention([200], [200], torch.arange(1, 51, dtype=torch.int32).view(1, 50), 4,
                                               sliding_window=None, token_bytes=64, fused=True)
     cache = torch.zeros(51, 4, 1, 8)
     with pytest.raises(SpecError, match="take no sinks"):
@@ -402,13 +403,13 @@ def test_sliding_window_tiles_gather_only_the_window_pages(kv_len) -> None:
     pages = -(-kv_len // ps)
     table = torch.arange(1, pages + 1)[None, :]
     for q_len in (1, 4):
-        plan = cpu_kernel.plan_attention([kv_len], [q_len], table, ps, sliding_window=window, token_bytes=8)
+        plan = tile_plan.plan_attention([kv_len], [q_len], table, ps, sliding_window=window, token_bytes=8)
         (group,) = plan.groups
         first_key = kv_len - q_len - window
         assert group.pages == pages - first_key // ps  # the pages from the one holding the oldest visible key
         assert torch.equal(group.page_ids, torch.arange(first_key // ps + 1, pages + 1))
-    plan = cpu_kernel.plan_attention([kv_len], [kv_len], table, ps, sliding_window=window, token_bytes=8)
-    rows = cpu_kernel.EXTEND_TILE_ROWS
+    plan = tile_plan.plan_attention([kv_len], [kv_len], table, ps, sliding_window=window, token_bytes=8)
+    rows = tile_plan.EXTEND_TILE_ROWS
     assert sum(g.tiles for g in plan.groups) == -(-kv_len // rows)
     assert max(g.pages for g in plan.groups) <= -(-(rows + window) // ps) + 1
 
@@ -470,7 +471,7 @@ def test_a_gathered_decode_step_where_every_row_sees_every_key_carries_no_mask()
     k_cache, v_cache = torch.randn(64, ps, hkv, dk, generator=gen), torch.randn(64, ps, hkv, dk, generator=gen)
     table = (1 + torch.arange(12)[None, :] * 4 + torch.arange(4)[:, None])  # request r at slots 1 + 4p + r
     for kv_lens in ([12, 12, 12, 12], [12, 12, 9, 12]):
-        plan = cpu_kernel.plan_attention(kv_lens, [1] * 4, table, ps, sliding_window=None, token_bytes=64, in_place=True)
+        plan = tile_plan.plan_attention(kv_lens, [1] * 4, table, ps, sliding_window=None, token_bytes=64, in_place=True)
         (group,) = plan.groups
         assert (group.blocked is None) == (len(set(kv_lens)) == 1)
         q = torch.randn(4, hq, dk, generator=gen)
@@ -489,7 +490,7 @@ def test_tree_verify_matches_the_oracle(case, one_request_per_chunk, monkeypatch
     """A verify block over a draft tree is one tile whose mask follows the tree, gathered in groups
     or one request per group; NaN/inf in the slots no row sees stay out."""
     if one_request_per_chunk:
-        monkeypatch.setattr(cpu_kernel, "GATHER_CHUNK_BYTES", 1)
+        monkeypatch.setattr(tile_plan, "GATHER_CHUNK_BYTES", 1)
     result = run_attention_case(CpuBackend(), case)
     assert result.passed, result.detail
     assert run_attention_case(CpuBackend(), case, poison_unseen=True).passed
@@ -500,7 +501,7 @@ def test_tree_verify_matches_the_oracle(case, one_request_per_chunk, monkeypatch
 @pytest.mark.parametrize("v_dim", [8, 12])
 def test_tree_verify_on_consecutive_pages_is_read_in_place_and_matches_the_oracle(window, sinks, hybrid, dtype, v_dim,
                                                                                    monkeypatch) -> None:
-    monkeypatch.setattr(cpu_kernel, "VIEW_MIN_TILE_BYTES", 0)
+    monkeypatch.setattr(tile_plan, "VIEW_MIN_TILE_BYTES", 0)
     in_place = []
     original = cpu_kernel._attend_in_place
     monkeypatch.setattr(cpu_kernel, "_attend_in_place", lambda *a: in_place.append(a[3].tiles) or original(*a))
