@@ -26,7 +26,7 @@ from hal.errors import CheckpointError
 from hal.spec import LayerSpec
 from hal.speculative.checkpoint import Checkpoint
 from hal.speculative.mimo_config import AttentionShape, MiMoConfig
-from hal.speculative.contract import Attend, ModelSpec
+from hal.speculative.contract import Attend
 from hal.speculative.layers import MLP, MTPDecoderStack, RMSNorm
 
 Progress = Callable[[int, int], None]

@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from hal.errors import SpecError
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec, int_at_least

@@ -100,7 +100,7 @@ def platform_class() -> type:
             platform's hal backend."""
             if backend != NAME:
                 raise UnsupportedConfigError(f"SGLANG_PLATFORM={NAME} drafts with attention backend {NAME!r} only, got {backend!r}")
-            from hal.integrations.sglang.attention import HalMultiStepDraftBackend
+            from hal.integrations.sglang.draft import HalMultiStepDraftBackend
 
             return HalMultiStepDraftBackend(draft_model_runner, self.hal_backend, topk, num_steps)
 

@@ -17,7 +17,7 @@ def chain(n: int) -> types.SimpleNamespace:
 
 def make_batch(mode: ForwardMode, world: Any, reqs: list[int], prefix: list[int], q_lens: list[int]) -> ForwardBatch:
     """A ForwardBatch for ``mode`` over ``world.req_to_token`` (see the module docstring of
-    ``hal.integrations.sglang.attention`` for the lengths per mode)."""
+    ``hal.integrations.sglang.forward_batch`` for the lengths per mode)."""
     kv = [p + q for p, q in zip(prefix, q_lens)]
     loc = torch.cat([world.req_to_token[r, p:k].long() for r, p, k in zip(reqs, prefix, kv)])
     seq_lens = prefix if mode == ForwardMode.TARGET_VERIFY else kv

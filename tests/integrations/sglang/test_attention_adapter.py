@@ -19,7 +19,8 @@ import hal  # noqa: E402
 from hal import ForwardMode as HalMode  # noqa: E402
 from hal.errors import CacheLocationError, GraphError, SpecError, UnsupportedConfigError  # noqa: E402
 from hal.integrations.sglang.plugin import bound_to  # noqa: E402
-from hal.integrations.sglang.attention import HalAttnBackend, page_table_from_req_to_token  # noqa: E402
+from hal.integrations.sglang.attention import HalAttnBackend  # noqa: E402
+from hal.integrations.sglang.forward_batch import page_table_from_req_to_token  # noqa: E402
 from hal.integrations.sglang.kv_pool import HalMHATokenToKVPool as UnboundHalPool  # noqa: E402
 from hal.tree import chain_tree_mask, tree_mask_from_parents  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
@@ -423,7 +424,7 @@ def test_multi_step_draft_decode_branches_see_the_prefix_and_their_own_drafts(to
     ``prepare_for_draft`` lays it out (with ``topk > 1`` each branch owns whole pages from the
     prefix's last full page on, its first slots a copy of the prefix's tail): at step ``s`` branch
     ``j`` of a request sees the prefix and its own drafts ``0..s``, against a dense oracle."""
-    from hal.integrations.sglang.attention import HalMultiStepDraftBackend
+    from hal.integrations.sglang.draft import HalMultiStepDraftBackend
 
     steps, reqs, seq_lens = 3, [1, 6], [6, 9]
     world = World(HalMHATokenToKVPool, seed=11 + topk)

@@ -61,6 +61,8 @@ def _log_hal_forwards(path: str) -> None:
                 log.write(f"{forward_batch.forward_mode.name} {type(self.sgl_pool).__name__}{tree}\n")
 
         cls.init_forward_metadata = init_forward_metadata
+
+    def wrap_draft(module):  # type: ignore[no-untyped-def]
         multi_step = module.HalMultiStepDraftBackend
         original_multi_step = multi_step.init_forward_metadata
 
@@ -72,6 +74,7 @@ def _log_hal_forwards(path: str) -> None:
         multi_step.init_forward_metadata = init_multi_step_metadata
 
     _after_import("hal.integrations.sglang.attention", wrap)
+    _after_import("hal.integrations.sglang.draft", wrap_draft)
 
 
 def _log_npu_emulator_calls(path: str) -> None:
