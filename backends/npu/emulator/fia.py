@@ -162,8 +162,49 @@ def _check_explicit_mask(
 
 
 def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> FiaPlan:
-    """Validate one FIA v2 call the way the op-plugin adapter and CANN checkers do; return its plan."""
+    """Validate one FIA v2 call the way the op-plugin adapter and CANN checkers do; return its plan.
+
+    The rules run in the order the op checks them, each a named check below: layout and heads,
+    what the emulator does not implement, dtypes and devices, the mask options, the sink, the query
+    lengths of the layout, the paged KV (lengths, block table, block size, cache shapes), the head
+    dims, and the mask against the layout."""
     layout = kw.get("input_layout", "BSH")
+    n_q, n_kv = _check_layout_and_heads(query, layout, kw)
+    _refuse_unemulated(kw)
+    block_table = kw.get("block_table")
+    _check_dtypes_and_devices(query, key, value, paged=block_table is not None, kw=kw)
+    sparse_mode, mask, pre, nxt = _check_mask_options(query, layout, kw)
+    inner_precise, sink = _check_sink_options(n_q, layout, kw)
+    b, query_s, q_lens, q_starts, d = _query_lengths(query, layout, n_q, kw)
+    if block_table is None:
+        raise NotImplementedError("the torch_npu emulator computes paged attention (block_table given) only")
+    kv_lens = _check_kv_lengths_and_block_table(block_table, layout, b, kw)
+    block_size = _check_block_size(block_table, kw, d, max(q_lens), kv_lens)
+    dv, cache_4d = _check_cache_shapes(key, value, n_kv, block_size, d)
+    _check_head_dims(layout, n_kv, d, dv, sink)
+    _check_mask_for_layout(layout, sparse_mode, mask, inner_precise, query_s, b, block_table, block_size, q_lens, kv_lens)
+    return FiaPlan(
+        layout=layout,
+        query_s=query_s,
+        q_starts=q_starts,
+        q_lens=q_lens,
+        kv_lens=tuple(kv_lens),
+        num_q_heads=n_q,
+        num_kv_heads=n_kv,
+        head_dim=d,
+        v_head_dim=dv,
+        block_size=block_size,
+        cache_4d=cache_4d,
+        sparse_mode=sparse_mode,
+        pre_tokens=pre,
+        next_tokens=nxt,
+        softmax_scale=float(kw.get("softmax_scale", 1.0)),
+        return_softmax_lse=bool(kw.get("return_softmax_lse", False)),
+    )
+
+
+def _check_layout_and_heads(query: torch.Tensor, layout: str, kw: dict[str, Any]) -> tuple[int, int]:
+    """The layout is one the op takes and the query's rank fits it; the head counts fit GQA's limits."""
     if layout not in _LAYOUT_QUERY_DIM:
         fail(f"layout only support {', '.join(_LAYOUT_QUERY_DIM)}; got input_layout={layout!r}")
     if query.dim() != _LAYOUT_QUERY_DIM[layout]:
@@ -181,7 +222,11 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
         fail(f"num_query_heads / num_key_value_heads = {n_q // n_kv} exceeds {MAX_GQA_RATIO}")
     if n_q > MAX_HEADS:
         fail(f"num_query_heads={n_q} exceeds {MAX_HEADS}")
+    return n_q, n_kv
 
+
+def _refuse_unemulated(kw: dict[str, Any]) -> None:
+    """Options the op takes and the emulator does not compute raise ``NotImplementedError``."""
     if (kw.get("query_rope") is None) != (kw.get("key_rope") is None):
         fail("query_rope and key_rope must be given together")
     for name in ("query_rope", *_UNEMULATED_TENSORS, *_UNEMULATED_DTYPES):
@@ -191,8 +236,9 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
         if kw.get(name, 0) != 0:
             raise NotImplementedError(f"the torch_npu emulator does not implement FIA v2 {name}={kw[name]}")
 
-    block_table = kw.get("block_table")
-    paged = block_table is not None
+
+def _check_dtypes_and_devices(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, paged: bool, kw: dict[str, Any]) -> None:
+    """One half-precision dtype for q, k and v; every tensor on one device; q, k, v contiguous."""
     if query.dtype == torch.int8 and paged:
         fail("Page Attention does not support an int8 query")
     if query.dtype not in _QUERY_DTYPES:
@@ -209,6 +255,9 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
         if not tensors[name].is_contiguous():  # the op's documentation: non-contiguous tensors are not supported
             fail(f"{name} must be contiguous (FIA v2 does not support non-contiguous tensors), got strides {tensors[name].stride()}")
 
+
+def _check_mask_options(query: torch.Tensor, layout: str, kw: dict[str, Any]) -> tuple[int, torch.Tensor | None, int, int]:
+    """``sparse_mode``, ``atten_mask`` (the template mask in modes 2-4), ``pre_tokens`` and ``next_tokens``."""
     sparse_mode = int(kw.get("sparse_mode", 0))
     mask = kw.get("atten_mask")
     if sparse_mode in (5, 6, 7, 8):
@@ -239,7 +288,11 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
         fail(
             f"Nexttoken line should be higher than pretoken line: pre_tokens={pre} + next_tokens={nxt} must be >= 0"
         )
+    return sparse_mode, mask, pre, nxt
 
+
+def _check_sink_options(n_q: int, layout: str, kw: dict[str, Any]) -> tuple[int, torch.Tensor | None]:
+    """``inner_precise``, and ``learnable_sink``'s dtype, shape, layout and precision."""
     inner_precise = int(kw.get("inner_precise", 0))
     if inner_precise not in (0, 1, 2, 3):
         fail(f"inner_precise must be in 0..3, got {inner_precise}")
@@ -253,7 +306,14 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
             fail(f"learnable_sink is only supported with input_layout TND or NTD_TND, got {layout!r}")
         if inner_precise != 0:
             fail(f"learnable_sink needs inner_precise=0 (high precision), got {inner_precise}")
+    return inner_precise, sink
 
+
+def _query_lengths(
+    query: torch.Tensor, layout: str, n_q: int, kw: dict[str, Any]
+) -> tuple[int, int, tuple[int, ...], tuple[int, ...] | None, int]:
+    """The batch, the longest query, each request's query length (and its start in TND) and the qk
+    head dim, as the layout gives them: cumulative ``actual_seq_qlen`` in TND, per request in BSND."""
     if layout not in _COMPUTED_LAYOUTS:
         raise NotImplementedError(f"the torch_npu emulator computes input_layout {_COMPUTED_LAYOUTS} only, got {layout!r}")
     if layout == "TND":
@@ -277,22 +337,20 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
             fail(f"TND actual_seq_qlen[-1]={q_cum[-1]} must equal the query's T={t} (sum of query lengths)")
         starts = (0, *q_cum[:-1])
         q_lens = tuple(e - s for s, e in zip(starts, q_cum))
-        q_starts: tuple[int, ...] | None = starts
-        query_s = max(q_lens)
-    else:  # BSND: (B, S, N_q, D), per-batch lengths
-        b, query_s, heads, d = query.shape
-        if heads != n_q:
-            fail(f"BSND query has {heads} heads but num_query_heads={n_q}")
-        if b == 0 or b > MAX_BATCH:
-            fail(f"BSND query batch must be in 1..{MAX_BATCH}, got {b}")
-        q_starts = None
-        if query_s == 1 or kw.get("actual_seq_qlen") is None:  # Q_S == 1: actual_seq_qlen is ignored
-            q_lens = (query_s,) * b
-        else:
-            q_lens = tuple(_per_batch("actual_seq_qlen", kw["actual_seq_qlen"], b, query_s))
+        return b, max(q_lens), q_lens, starts, d
+    # BSND: (B, S, N_q, D), per-batch lengths
+    b, query_s, heads, d = query.shape
+    if heads != n_q:
+        fail(f"BSND query has {heads} heads but num_query_heads={n_q}")
+    if b == 0 or b > MAX_BATCH:
+        fail(f"BSND query batch must be in 1..{MAX_BATCH}, got {b}")
+    if query_s == 1 or kw.get("actual_seq_qlen") is None:  # Q_S == 1: actual_seq_qlen is ignored
+        return b, query_s, (query_s,) * b, None, d
+    return b, query_s, tuple(_per_batch("actual_seq_qlen", kw["actual_seq_qlen"], b, query_s)), None, d
 
-    if not paged:
-        raise NotImplementedError("the torch_npu emulator computes paged attention (block_table given) only")
+
+def _check_kv_lengths_and_block_table(block_table: torch.Tensor, layout: str, b: int, kw: dict[str, Any]) -> list[int]:
+    """Page Attention's ``actual_seq_kvlen`` (one per request) and the block table's dtype and rows."""
     if kw.get("actual_seq_kvlen") is None:
         fail("Page Attention requires actual_seq_kvlen (per-request KV lengths)")
     if layout == "TND":
@@ -303,16 +361,18 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
             fail(f"actual_seq_kvlen must not contain negative values, got {kv_lens}")
     else:
         kv_lens = _per_batch("actual_seq_kvlen", kw["actual_seq_kvlen"], b, None)
-    assert block_table is not None
     if block_table.dtype != torch.int32:
         fail(f"block_table must be int32, got {block_table.dtype}")
     if block_table.dim() != 2 or 0 in block_table.shape:
         fail(f"block_table must be 2-D without a 0 dim, got shape {tuple(block_table.shape)}")
     if block_table.shape[0] != b:
         fail(f"block_table has {block_table.shape[0]} rows for B={b}")
+    return kv_lens
 
+
+def _check_block_size(block_table: torch.Tensor, kw: dict[str, Any], d: int, max_q: int, kv_lens: list[int]) -> int:
+    """``block_size`` by the rule for the head dim and query length, and enough block-table columns."""
     block_size = int(kw.get("block_size", 0))
-    max_q = max(q_lens)
     if block_size <= 0:
         fail(f"block_size must be > 0 with Page Attention, got {block_size}")
     if d in (64, 128):
@@ -329,31 +389,38 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
             f"block_table has {block_table.shape[1]} columns, fewer than maxBlockNumPerSeq={need_blocks} "
             f"(max actual_seq_kvlen {max(kv_lens)} / block_size {block_size})"
         )
+    return block_size
 
+
+def _check_cache_shapes(key: torch.Tensor, value: torch.Tensor, n_kv: int, block_size: int, d: int) -> tuple[int, bool]:
+    """The paged K and V caches, 3-D ``(blocks, block_size, N_kv * D)`` or 4-D ``(blocks, N_kv,
+    block_size, D)``; returns the v head dim and whether the cache is 4-D."""
     if value.dim() not in (3, 4, 5):
         fail(f"when Page Attention enabled, value's dim should be 3/4/5, got shape {tuple(value.shape)}")
     if key.dim() != value.dim():
         fail(f"key and value caches must have the same rank, got {tuple(key.shape)} and {tuple(value.shape)}")
     if key.dim() == 5:
         raise NotImplementedError("the torch_npu emulator does not implement the 5-D NZ KV cache")
-    cache_4d = key.dim() == 4
-    if cache_4d:
+    if key.dim() == 4:
         want_k = (key.shape[0], n_kv, block_size, d)
         if tuple(key.shape) != want_k:
             fail(f"4-D key cache must be (blocks, N_kv={n_kv}, block_size={block_size}, D={d}), got {tuple(key.shape)}")
         if tuple(value.shape[:3]) != want_k[:3]:
             fail(f"4-D value cache must be (blocks, {n_kv}, {block_size}, Dv), got {tuple(value.shape)}")
-        dv = value.shape[3]
-    else:
-        if key.shape[1] != block_size or key.shape[2] != n_kv * d:
-            fail(
-                f"3-D key cache must be (blocks, block_size={block_size}, N_kv*D={n_kv * d}), got {tuple(key.shape)}"
-            )
-        if value.shape[0] != key.shape[0] or value.shape[1] != block_size or value.shape[2] % n_kv:
-            fail(
-                f"3-D value cache must be ({key.shape[0]}, block_size={block_size}, N_kv*Dv), got {tuple(value.shape)}"
-            )
-        dv = value.shape[2] // n_kv
+        return value.shape[3], True
+    if key.shape[1] != block_size or key.shape[2] != n_kv * d:
+        fail(
+            f"3-D key cache must be (blocks, block_size={block_size}, N_kv*D={n_kv * d}), got {tuple(key.shape)}"
+        )
+    if value.shape[0] != key.shape[0] or value.shape[1] != block_size or value.shape[2] % n_kv:
+        fail(
+            f"3-D value cache must be ({key.shape[0]}, block_size={block_size}, N_kv*Dv), got {tuple(value.shape)}"
+        )
+    return value.shape[2] // n_kv, False
+
+
+def _check_head_dims(layout: str, n_kv: int, d: int, dv: int, sink: torch.Tensor | None) -> None:
+    """The (qk, v) head dims the layout documents, the KV hidden size, and the sink's head-dim limits."""
     if n_kv * d > MAX_KV_HIDDEN:
         fail(f"N_kv * D = {n_kv * d} exceeds {MAX_KV_HIDDEN}")
     if (d, dv) not in TND_HEAD_DIMS:
@@ -370,6 +437,13 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
     if dv == PAGED_GQA_FORBIDDEN_V_HEAD_DIM:
         # Documented ("GQA and PA do not support V_D = 192"), not confirmed on hardware: refused, the strict side.
         fail(f"paged attention (GQA/PA) does not support a v head dim of {dv}")
+
+
+def _check_mask_for_layout(
+    layout: str, sparse_mode: int, mask: torch.Tensor | None, inner_precise: int, query_s: int, b: int,
+    block_table: torch.Tensor, block_size: int, q_lens: tuple[int, ...], kv_lens: list[int],
+) -> None:
+    """The modes TND takes, an explicit mask's shape against the batch, and mode 3's per-request lengths in TND."""
     if layout == "TND" and (sparse_mode in (1, 2) or (sparse_mode == 0 and mask is not None)):
         fail(f"input_layout TND supports sparse_mode 0 (no mask), 3 or 4, got {sparse_mode} (mask given: {mask is not None})")
     if layout != "TND" and query_s == 1:
@@ -387,24 +461,6 @@ def check_fia_v2(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **
                 f"TND with sparse_mode=3 needs actual query length <= actual_seq_kvlen per request; "
                 f"request {i} has {q_lens[i]} query tokens and kv length {kv_lens[i]}"
             )
-    return FiaPlan(
-        layout=layout,
-        query_s=query_s,
-        q_starts=q_starts,
-        q_lens=q_lens,
-        kv_lens=tuple(kv_lens),
-        num_q_heads=n_q,
-        num_kv_heads=n_kv,
-        head_dim=d,
-        v_head_dim=dv,
-        block_size=block_size,
-        cache_4d=cache_4d,
-        sparse_mode=sparse_mode,
-        pre_tokens=pre,
-        next_tokens=nxt,
-        softmax_scale=float(kw.get("softmax_scale", 1.0)),
-        return_softmax_lse=bool(kw.get("return_softmax_lse", False)),
-    )
 
 
 def _allowed_keys(plan: FiaPlan, q_len: int, kv_len: int, mask: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
