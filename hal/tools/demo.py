@@ -74,7 +74,10 @@ def progress_printer(stream: TextIO) -> Callable[[str, int, int, float | None], 
         label = PHASE_LABELS.get(phase, phase)
         tail = f" loss {loss:.3f}" if loss is not None else ""
         line = f"{label:<26} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{tail}"
-        stream.write(f"\r{line}" + ("\n" if done == total else "") if terminal else f"{line}\n")
+        if terminal:  # one line redrawn in place, ended when the phase is
+            stream.write(f"\r{line}" + ("\n" if done == total else ""))
+        else:
+            stream.write(f"{line}\n")
         stream.flush()
 
     return show

@@ -336,6 +336,36 @@ def spread_sinks_and_router(model: torch.nn.Module) -> None:
                 bias.normal_(0, 0.5)
 
 
+def module_from_file(name: str, path: Path | str) -> Any:
+    """The module ``name`` executed from the source file ``path``, put in ``sys.modules`` (a pinned
+    engine file before or after a patch, loaded beside or in place of the installed one)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def pinned_source(tree: Path, installed: Path, target: str, patch: Path) -> Path:
+    """``tree`` holding an engine's installed source file at ``target`` (its path in the engine's
+    repository), with ``patch`` reversed when the installation carries it: the pinned release's
+    file, on which an upstream patch's test runs before and after. Returns ``tree``."""
+    import shutil
+    import subprocess
+
+    dest = tree / target
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(installed, dest)
+    reverse = ["git", "apply", "--reverse", str(patch)]
+    if subprocess.run([*reverse, "--check"], cwd=tree, capture_output=True).returncode == 0:  # installed patched
+        subprocess.run(reverse, cwd=tree, capture_output=True, check=True)
+    return tree
+
+
 def save_published_copy(checkpoint: Path | str, directory: Path | str) -> Path:
     """A copy of a MiMo-V2-Flash checkpoint (single safetensors file) with its config.json in the
     published key names (``MiMoConfig.published_dict``), the form SGLang reads; returns ``directory``."""

@@ -26,6 +26,11 @@ def register() -> None:
         serve_every_attention_layer()
 
 
+def is_hals_backend(backend_class: type) -> bool:
+    """Whether vLLM resolved an attention backend to hal's class (``BACKEND_PATH``), by its import path."""
+    return f"{backend_class.__module__}.{backend_class.__qualname__}" == BACKEND_PATH
+
+
 #: vLLM's backends that a model may pick for itself, bypassing the platform (MiMo-V2-Flash does for
 #: its qk != v layers): under hal's platform hal's backend stands behind their names.
 MODEL_CHOSEN_BACKENDS = ("FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV")
@@ -47,7 +52,7 @@ def serve_every_attention_layer() -> None:
     def hal_only(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         backend = self.attn_backend
-        if f"{backend.__module__}.{backend.__qualname__}" != BACKEND_PATH:
+        if not is_hals_backend(backend):
             from hal.errors import UnsupportedConfigError
 
             raise UnsupportedConfigError(
@@ -73,7 +78,7 @@ def refuse_a_substitute_for_hal() -> None:
     def select(backend: Any, *args: Any, **kwargs: Any) -> Any:
         result = chosen(backend, *args, **kwargs)
         asked = getattr(backend, "name", backend)
-        if asked == NAME and f"{result.__module__}.{result.__qualname__}" != BACKEND_PATH:
+        if asked == NAME and not is_hals_backend(result):
             from hal.errors import UnsupportedConfigError
 
             raise UnsupportedConfigError(

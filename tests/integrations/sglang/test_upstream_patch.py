@@ -7,10 +7,7 @@ applied it to the installed SGLang."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -21,6 +18,7 @@ sglang = pytest.importorskip("sglang")
 import torch  # noqa: E402
 
 import hal.integrations.sglang  # noqa: E402
+from hal.tools import testing  # noqa: E402
 
 PATCHES = Path(hal.integrations.sglang.__file__).parent / "patches"
 WORKER = ("multi_layer_eagle_worker_v2_oot_draft_extend_runner.patch", "python/sglang/srt/speculative/multi_layer_eagle_worker_v2.py")
@@ -42,28 +40,15 @@ def git_apply(tree: Path, patch: str, *args: str) -> subprocess.CompletedProcess
 def pinned_source(tmp_path: Path, patch: str, target: str) -> Path:
     """A tree holding the pinned SGLang file at its place in SGLang's repository layout."""
     assert sglang.__version__ == hal.integrations.sglang.TESTED_SGLANG_VERSION
-    dest = tmp_path / target
-    dest.parent.mkdir(parents=True)
-    shutil.copy(Path(sglang.__file__).parent.parent / target.removeprefix("python/"), dest)
-    if git_apply(tmp_path, patch, "--reverse", "--check").returncode == 0:  # installed patched
-        assert git_apply(tmp_path, patch, "--reverse").returncode == 0
-    return tmp_path
-
-
-def load(path: Path, name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    installed = Path(sglang.__file__).parent.parent / target.removeprefix("python/")
+    return testing.pinned_source(tmp_path, installed, target, PATCHES / patch)
 
 
 def before_and_after(tmp_path: Path, patch: str, target: str) -> tuple[types.ModuleType, types.ModuleType]:
     tree = pinned_source(tmp_path, patch, target)
-    before = load(tree / target, f"hal_test_{Path(target).stem}_unpatched")
+    before = testing.module_from_file(f"hal_test_{Path(target).stem}_unpatched", tree / target)
     assert git_apply(tree, patch).returncode == 0
-    return before, load(tree / target, f"hal_test_{Path(target).stem}_patched")
+    return before, testing.module_from_file(f"hal_test_{Path(target).stem}_patched", tree / target)
 
 
 @pytest.mark.parametrize(("patch", "target"), ALL, ids=[p for p, _ in ALL])

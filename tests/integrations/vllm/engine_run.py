@@ -21,20 +21,12 @@ import time
 RESULT_MARK = "ENGINE_RESULT "
 
 
-def load_module_files(files: dict[str, str]) -> None:
-    """Put each named module, executed from the given file, in ``sys.modules`` before vLLM imports it."""
-    import importlib.util
-
-    for name, path in files.items():
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-
-
 def main(request: dict) -> dict:
-    load_module_files(request.get("module_files", {}))
+    if request.get("module_files"):  # each named module executed from its file before vLLM imports it
+        from hal.tools.testing import module_from_file
+
+        for name, path in request["module_files"].items():
+            module_from_file(name, path)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

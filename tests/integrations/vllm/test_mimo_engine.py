@@ -14,7 +14,6 @@ fixes it, tested here before and after.
 from __future__ import annotations
 
 import random
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from conftest import run_engine  # noqa: E402
 from hal.speculative.distill import distill  # noqa: E402
 from hal.speculative.model import TinyConfig, TinyMiMo  # noqa: E402
 from hal.tools.demo import make_prompts  # noqa: E402
-from hal.tools.testing import save_published_copy  # noqa: E402
+from hal.tools.testing import pinned_source, save_published_copy  # noqa: E402
 from low_precision_guarantee import Guarantee, greedy_generate  # noqa: E402
 
 NEW_TOKENS = 16
@@ -111,14 +110,9 @@ def _unpatched_mimo_module(tmp_path: Path) -> Path:
     """vLLM's pinned ``models/mimo_v2.py`` without hal's window patch."""
     assert vllm.__version__ == hal.integrations.vllm.TESTED_VLLM_VERSION
     patch = Path(hal.integrations.vllm.__file__).parent / "patches" / WINDOW_PATCH
-    target = tmp_path / MIMO_MODULE
-    target.parent.mkdir(parents=True)
-    shutil.copy(Path(vllm.__file__).parent.parent / MIMO_MODULE, target)
-    reverse = ["git", "apply", "-p1", "--reverse", str(patch)]
-    if subprocess.run([*reverse, "--check"], cwd=tmp_path, capture_output=True).returncode == 0:  # installed patched
-        subprocess.run(reverse, cwd=tmp_path, check=True)
-    assert subprocess.run(["git", "apply", "-p1", "--check", str(patch)], cwd=tmp_path, capture_output=True).returncode == 0
-    return target
+    tree = pinned_source(tmp_path, Path(vllm.__file__).parent.parent / MIMO_MODULE, MIMO_MODULE, patch)
+    assert subprocess.run(["git", "apply", "--check", str(patch)], cwd=tree, capture_output=True).returncode == 0
+    return tree / MIMO_MODULE
 
 
 def test_the_window_patch_before_and_after(mimo: dict[str, Any], tmp_path: Path) -> None:
