@@ -9,12 +9,10 @@ import torch
 
 import hal
 from hal.errors import SpecError, UnsupportedConfigError
-from hal.graph import GraphUpdate
-from hal.graph_runner import refreshed_metadata
 from hal.metadata import AttentionMetadata, check_metadata_against
 from hal.plan import ForwardPlan
 from hal.protocols import AttentionKernel, KVPool
-from hal.spec import ForwardMode, LayerSpec
+from hal.spec import LayerSpec
 from hal.integrations.sglang.forward_batch import layer_spec, metadata_from_forward_batch
 from hal.integrations.sglang.kv_pool import store_in_hal_pool
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -45,14 +43,13 @@ class HalAttnBackend(AttentionBackend):
         self._window: int | None = getattr(model_runner, "sliding_window_size", None)
         context_len = model_runner.model_config.context_len
         self._graph_max_pages = -(-context_len // self.pool.spec.page_size)
-        # The metadata each captured graph reads, at fixed addresses, by (mode, batch size).
-        self._captured: dict[tuple[ForwardMode, int], AttentionMetadata] = {}
         self._layer_specs: dict[tuple[int, bool], LayerSpec] = {}
-        # True when hal's graph backend replays this runner's graphs: it refreshes the captured
-        # metadata itself (``CapturedForward``); SGLang's own graph runners need it done here.
-        self.replayed_by_hal_graphs = False
+        #: The record the layers run on and its plan (``run_on``), one per forward.
         self.forward_metadata: AttentionMetadata | None = None
         self._plan: ForwardPlan | None = None
+        #: The record a graph forward is to capture or replay on (``init_forward_metadata_out_graph``):
+        #: hal's graph backend (``HalGraphBackend``) hands it to ``run_on`` inside the graph.
+        self.graph_metadata: AttentionMetadata | None = None
 
     # -- metadata ----------------------------------------------------------------------------
     def _metadata(self, forward_batch: Any, max_pages: int | None = None, capture: bool = False) -> AttentionMetadata:
@@ -61,37 +58,32 @@ class HalAttnBackend(AttentionBackend):
             capture=capture,
         )
 
+    def run_on(self, metadata: AttentionMetadata | None) -> None:
+        """The layers that run next attend by ``metadata``, through the kernel's plan for it, made
+        here (inside the capture when a graph captures the forward). None: no forward is set up."""
+        self.forward_metadata = metadata
+        self._plan = None if metadata is None else self.kernel.plan(metadata)
+
     def init_forward_metadata(self, forward_batch: Any) -> None:
-        """Eager forward: metadata built from the batch as it is."""
-        if forward_batch.forward_mode.is_idle():
-            self.forward_metadata = None
-            return
-        self.forward_metadata = self._metadata(forward_batch)
+        """Eager forward: metadata built from the batch as it is, and its plan."""
+        self.run_on(None if forward_batch.forward_mode.is_idle() else self._metadata(forward_batch))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Graphs capture metadata with block tables as wide as the context length."""
-        self._captured.clear()
+        """Nothing to allocate: each graph hal's graph backend captures keeps the record it captured
+        (block tables as wide as the context length)."""
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
-        """Before a capture: the metadata the graph will read. Before a replay: the new batch's
-        metadata, which hal's graph backend takes into the captured tensors (``CapturedForward``);
-        under SGLang's own graph runners its values are copied into them here."""
+        """Before a graph captures or replays: the batch's record, checked against the pool before
+        anything is copied, for hal's graph backend to hand over (``graph_metadata``). The layers
+        run on nothing until it does, so a graph backend that is not hal's, which would replay
+        hal's kernels on the captured batch's metadata, is refused at its first capture."""
+        self.run_on(None)
         if forward_batch.forward_mode.is_idle():
+            self.graph_metadata = None
             return
         fresh = self._metadata(forward_batch, max_pages=self._graph_max_pages, capture=in_capture)
-        check_metadata_against(fresh, self.pool)  # a replay runs no plan step: checked here, before any copy
-        if self.replayed_by_hal_graphs:
-            self.forward_metadata = fresh  # what hal's graph backend captures, or replays on
-            return
-        key = (fresh.mode, fresh.batch_size)
-        static = self._captured.get(key)
-        if in_capture or static is None:
-            self._captured[key] = self.forward_metadata = fresh
-            return
-        # The device tensors stay the captured ones, now holding the new batch; the record's host
-        # values are the new batch's (a shape that does not fit raises GraphError, copying nothing).
-        self.forward_metadata, copies = refreshed_metadata(static, fresh)
-        GraphUpdate(buffer_copies=copies).apply_buffer_copies()
+        check_metadata_against(fresh, self.pool)  # a replay runs no plan step: checked here
+        self.graph_metadata = fresh
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """The KV length of padded rows in SGLang's captured graphs: the kernel's."""
@@ -105,18 +97,15 @@ class HalAttnBackend(AttentionBackend):
             spec = self._layer_specs[key] = layer_spec(layer, layer.layer_id - self.start_layer, has_sinks=has_sinks)
         return spec
 
-    def _forward_plan(self) -> ForwardPlan:
-        """The kernel's plan for the forward running now: made at its first layer (inside the
-        capture when SGLang captures the forward), shared by its other layers."""
-        metadata = self.forward_metadata
-        if metadata is None:
-            raise SpecError("attention backend 'hal': forward before init_forward_metadata")
-        if self._plan is None or not self._plan.serves(metadata, self.pool):
-            self._plan = self.kernel.plan(metadata)
-        return self._plan
-
     def _forward(self, q: torch.Tensor, k: Any, v: Any, layer: Any, forward_batch: Any, save_kv_cache: bool, sinks: Any) -> torch.Tensor:
-        plan = self._forward_plan()
+        plan = self._plan
+        if plan is None:
+            raise UnsupportedConfigError(
+                f"attention backend 'hal': layer {layer.layer_id} runs with no metadata set up. An eager forward follows "
+                "init_forward_metadata; a graph's forward gets its record from hal's graph backend (SGLANG_PLATFORM=hal), "
+                "and SGLang's own graph backends, which would replay hal's kernels on the captured batch's metadata, are "
+                "refused: start SGLang with SGLANG_PLATFORM=hal, or with disable_cuda_graph=True"
+            )
         metadata = plan.metadata
         spec = self._layer_spec(layer, sinks is not None)
         if (k is None or v is None) and save_kv_cache:

@@ -77,7 +77,7 @@ class HalMultiStepDraftBackend:
         """Each step's metadata, from the draft batch (``out_cache_loc``: ``[batch, topk, steps]`` slots)."""
         if forward_batch.forward_mode.is_idle():
             for child in self.attn_backends:
-                child.forward_metadata = None
+                child.run_on(None)
             return
         topk, steps, ps = self.topk, self.speculative_num_steps, self.pool.spec.page_size
         seq_lens = host_ints(
@@ -101,14 +101,14 @@ class HalMultiStepDraftBackend:
         per_step = locs.view(len(seq_lens), topk, steps)
         for step, child in enumerate(self.attn_backends):
             branch_rows, kv_lens = draft_branch_rows(rows, seq_lens, topk, steps, ps, step)
-            child.forward_metadata = build_metadata(
+            child.run_on(build_metadata(
                 ForwardMode.DECODE,
                 kv_lens=kv_lens,
                 q_lens=[1] * len(kv_lens),
                 page_table=page_table_from_req_to_token(branch_rows, kv_lens, ps),
                 out_cache_loc=per_step[:, :, step].reshape(-1),
                 pool=self.pool,
-            )
+            ))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise UnsupportedConfigError(

@@ -17,15 +17,17 @@ from sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner imp
 
 
 class HalGraphBackend(BaseCudaGraphBackend):
-    """SGLang's per-shape graph backend on hal's graphs (NPUGraph, CUDA graph or eager).
+    """SGLang's per-shape graph backend on hal's graphs (NPUGraph, CUDA graph or eager): the one
+    way SGLang captures and replays hal's attention.
 
-    Each shape is one ``hal.graph_runner.CapturedForward``. Before each replay the attention
-    backend has refreshed its captured metadata; the host-side arguments hal's kernels recorded at
-    capture (FIA's ``actual_seq_kvlen`` on Ascend) are then taken from that metadata and handed to
-    the graph, so no replay runs on stale lengths.
+    Each shape is one ``hal.graph_runner.CapturedForward`` over the record hal's attention backend
+    prepared for it (``HalAttnBackend.graph_metadata``), handed to the layers inside the graph
+    (``HalAttnBackend.run_on``). A replay takes the new batch's record into the captured tensors
+    and hands the host-side arguments hal's kernels recorded at capture (FIA's
+    ``actual_seq_kvlen`` on Ascend) to the graph, so no replay runs on stale lengths.
 
-    Its hal backend is the attention backend's when that is hal's, else the one hal's platform
-    bound (``hal_backend``); with neither it refuses.
+    Its hal backend is the one hal's platform bound (``plugin.bound_to``); an attention backend of
+    hal's on another hal backend is refused, as is a graph backend that no platform bound.
     """
 
     #: The hal backend hal's platform bound (``plugin.bound_to``).
@@ -35,18 +37,18 @@ class HalGraphBackend(BaseCudaGraphBackend):
         # reuse_output_buffer is a memory saving only: each hal graph keeps its own static outputs.
         if enable_memory_saver:
             raise UnsupportedConfigError("hal's graph backend: --enable-memory-saver is not supported")
-        self._runner = cuda_graph_runner
-        attn = getattr(cuda_graph_runner.model_runner, "attn_backend", None)
-        # The backend whose kernels the graphs capture: the attention backend's, else the platform's.
-        backend = getattr(attn, "hal_backend", None) or self.hal_backend
-        if backend is None:
+        if self.hal_backend is None:
             raise UnsupportedConfigError(
-                "hal's graph backend has no hal backend: SGLang gets it from hal's platform (SGLANG_PLATFORM=hal), "
-                "or the runner's attention backend is hal's"
+                "hal's graph backend has no hal backend: SGLang gets it bound from hal's platform (SGLANG_PLATFORM=hal)"
             )
-        self._backend = backend
-        if isinstance(attn, HalAttnBackend):
-            attn.replayed_by_hal_graphs = True
+        self._runner = cuda_graph_runner
+        self._backend = self.hal_backend
+        attn = self._hal_attention()
+        if attn is not None and attn.hal_backend is not self._backend:
+            raise UnsupportedConfigError(
+                f"hal's graph backend captures on {self._backend!r}, but the runner's attention backend serves "
+                f"{attn.hal_backend!r}: both come from the one hal backend hal's platform serves with"
+            )
         self._captured: dict[Any, CapturedForward] = {}
         self._memory_pool: Any = None
 
@@ -57,24 +59,23 @@ class HalGraphBackend(BaseCudaGraphBackend):
         yield
 
     def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None, post_warmup_hook: Any = None) -> None:
-        def warm_up() -> None:  # lazy initialisation and workspaces happen before capture
-            for _ in range(2):
-                forward_fn()
-                if post_warmup_hook is not None:
-                    post_warmup_hook()
-
         attn = self._hal_attention()
 
         def forward(metadata: AttentionMetadata | None) -> Any:
-            # SGLang's forward reads the attention backend's metadata: the record this replay runs on
-            # (a graph that re-runs Python reads each replay's; a real graph the captured tensors).
-            if attn is not None and metadata is not None:
-                attn.forward_metadata = metadata
+            # The layers run on the record this capture or replay is for, planned inside the graph.
+            if attn is not None:
+                attn.run_on(metadata)
             return forward_fn()
 
-        # The metadata the attention backend set up for this shape just before is what the graph reads.
-        self._captured[shape_key] = CapturedForward(self._backend, forward, self._attention_metadata(),
-                                                    memory_pool=self._memory_pool, warm_up=warm_up)
+        record = self._graph_metadata()
+
+        def warm_up() -> None:  # lazy initialisation and workspaces happen before capture
+            for _ in range(2):
+                forward(record)
+                if post_warmup_hook is not None:
+                    post_warmup_hook()
+
+        self._captured[shape_key] = CapturedForward(self._backend, forward, record, memory_pool=self._memory_pool, warm_up=warm_up)
 
     def captured(self, shape_key: Any) -> Any:
         """The hal graph captured for ``shape_key`` (``GraphError`` if none)."""
@@ -90,21 +91,20 @@ class HalGraphBackend(BaseCudaGraphBackend):
     def replay_session(self) -> Iterator[None]:
         yield
 
-    def _hal_attention(self) -> Any:
-        """The runner's attention backend when it is hal's (it then leaves each replay's refresh to
-        this graph backend), else None."""
+    def _hal_attention(self) -> HalAttnBackend | None:
+        """The runner's attention backend when it is hal's, else None (a forward that reads no hal metadata)."""
         backend = getattr(self._runner, "attn_backend", None) or self._runner.model_runner.attn_backend
         return backend if isinstance(backend, HalAttnBackend) else None
 
-    def _attention_metadata(self) -> AttentionMetadata | None:
-        """The metadata hal's attention backend prepared for this shape (None under another backend)."""
+    def _graph_metadata(self) -> AttentionMetadata | None:
+        """The record hal's attention backend prepared for the shape SGLang captures or replays now."""
         attn = self._hal_attention()
-        return None if attn is None else attn.forward_metadata
+        return None if attn is None else attn.graph_metadata
 
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
-        # The attention backend built and checked the new batch's metadata (init_forward_metadata_out_graph);
-        # the captured forward takes it into its captured tensors and replays.
-        return self._captured[shape_key].replay(self._attention_metadata())
+        # The attention backend built and checked the new batch's record (init_forward_metadata_out_graph);
+        # the captured forward takes it into its captured tensors and host arguments, and replays.
+        return self._captured[shape_key].replay(self._graph_metadata())
 
     def cleanup(self) -> None:
         self._captured.clear()

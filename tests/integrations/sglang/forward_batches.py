@@ -34,3 +34,28 @@ def make_batch(mode: ForwardMode, world: Any, reqs: list[int], prefix: list[int]
     if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
         fb.spec_info = chain(q_lens[0])
     return fb
+
+
+def hal_graphs(attn: Any) -> Any:
+    """hal's graph backend as hal's platform hands it to an SGLang graph runner over ``attn``."""
+    from hal.integrations.sglang.graph import HalGraphBackend
+    from hal.integrations.sglang.plugin import bound_to
+
+    runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(device=str(attn.device), attn_backend=attn))
+    return bound_to(HalGraphBackend, attn.hal_backend)(runner)
+
+
+def captured_by_hal_graphs(attn: Any, batch: ForwardBatch, forward: Any, key: str = "shape") -> Any:
+    """``forward`` captured by hal's graph backend on ``batch``'s record, as SGLang's graph runner
+    captures one shape (record first, then the capture): the graph backend."""
+    graphs = hal_graphs(attn)
+    attn.init_forward_metadata_out_graph(batch, in_capture=True)
+    with graphs.capture_session(stream=None):
+        graphs.capture_one(key, forward)
+    return graphs
+
+
+def replayed(graphs: Any, attn: Any, batch: ForwardBatch, key: str = "shape") -> Any:
+    """A replay of ``key`` on ``batch``, as SGLang's graph runner replays: the static outputs."""
+    attn.init_forward_metadata_out_graph(batch)
+    return graphs.replay(key, static_forward_batch=batch)

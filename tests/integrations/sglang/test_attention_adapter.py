@@ -16,7 +16,6 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 
 import hal  # noqa: E402
-from hal import ForwardMode as HalMode  # noqa: E402
 from hal.errors import CacheLocationError, GraphError, SpecError, UnsupportedConfigError  # noqa: E402
 from hal.integrations.sglang.plugin import bound_to  # noqa: E402
 from hal.integrations.sglang.attention import HalAttnBackend  # noqa: E402
@@ -27,7 +26,7 @@ from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 
-from forward_batches import make_batch  # noqa: E402
+from forward_batches import captured_by_hal_graphs, make_batch, replayed  # noqa: E402
 
 # What hal's platform hands SGLang: the pool class bound to the backend it resolved.
 HalMHATokenToKVPool = bound_to(UnboundHalPool, hal.get_backend("cpu"))
@@ -149,26 +148,57 @@ def test_one_copy_of_the_kv() -> None:
     assert world.pool.k_data_ptrs.tolist() == [hal_pool.k_buffer(i).data_ptr() for i in range(2)]
 
 
-def test_graph_metadata_keeps_its_tensors_and_takes_new_values() -> None:
-    """Captured metadata is refreshed in place: same tensors, the new batch's values."""
+def test_a_graph_replay_runs_on_the_captured_tensors_holding_the_new_batch() -> None:
+    """hal's graph backend replays a decode step captured on one batch for another: the layers
+    run on the captured tensors, now holding the new batch's values, and compute its attention."""
     world = World(HalMHATokenToKVPool, seed=2)
-    world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, layer_id=1,
+                           v_head_dim=V_HEAD_DIM)
+    world.write_prefix(layer, [0, 1, 2, 3], [3, 5, 9, 20])
+    q, k, v = torch.zeros(2, Q_HEADS * HEAD_DIM), torch.zeros(2, KV_HEADS * HEAD_DIM), torch.zeros(2, KV_HEADS * V_HEAD_DIM)
+    seen = []
+
+    def step() -> torch.Tensor:
+        seen.append(world.backend.forward_metadata)
+        return world.backend.forward_decode(q, k, v, layer, None)
+
     first = make_batch(ForwardMode.DECODE, world, [0, 1], [3, 5], [1, 1])
-    world.backend.init_forward_metadata_out_graph(first, in_capture=True)
-    captured = world.backend.forward_metadata.tensors()
-    second = make_batch(ForwardMode.DECODE, world, [2, 3], [9, 20], [1, 1])
-    world.backend.init_forward_metadata_out_graph(second)
-    replayed = world.backend.forward_metadata
-    assert all(replayed.tensors()[name] is tensor for name, tensor in captured.items())
-    assert replayed.kv_lens_cpu == (10, 21) and replayed.kv_lens.tolist() == [10, 21]
-    assert replayed.out_cache_loc.tolist() == world.req_to_token[[2, 3], [9, 20]].tolist()
+    graphs = captured_by_hal_graphs(world.backend, first, step, key="decode-2")
+    captured = seen[-1].tensors()
+    reqs, pos = [2, 3], [9, 20]
+    new_q = torch.randn((2, Q_HEADS, HEAD_DIM), generator=world.gen)
+    q.copy_(new_q.reshape(2, -1))  # what SGLang's runner does to its static inputs before a replay
+    k.copy_(world.k[reqs, pos].reshape(2, -1))
+    v.copy_(world.v[reqs, pos].reshape(2, -1))
+    out = replayed(graphs, world.backend, make_batch(ForwardMode.DECODE, world, reqs, pos, [1, 1]), key="decode-2")
+    record = seen[-1]
+    assert all(record.tensors()[name] is tensor for name, tensor in captured.items())
+    assert record.kv_lens_cpu == (10, 21) and record.kv_lens.tolist() == [10, 21]
+    assert record.out_cache_loc.tolist() == world.req_to_token[reqs, pos].tolist()
+    torch.testing.assert_close(out.double(), oracle(new_q, world, reqs, [1, 1], [10, 21], None), atol=1e-5, rtol=1e-5)
     assert world.backend.get_cuda_graph_seq_len_fill_value() == world.backend.kernel.seq_len_fill_value == 1
-    # A verify batch of another width under the same key cannot reuse the captured tensors.
-    world.backend.init_forward_metadata_out_graph(make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 5], [2, 2]), in_capture=True)
-    before = world.backend.forward_metadata.positions.clone()
+    # A verify batch of another width cannot reuse the tensors captured for its batch size.
+    graphs = captured_by_hal_graphs(world.backend, make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 5], [2, 2]),
+                                    lambda: seen.append(world.backend.forward_metadata), key="verify-2")
+    before = seen[-1].positions.clone()
     with pytest.raises(GraphError, match="shape"):
-        world.backend.init_forward_metadata_out_graph(make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 5], [3, 3]))
-    assert torch.equal(world.backend._captured[(HalMode.TARGET_VERIFY, 2)].positions, before)
+        replayed(graphs, world.backend, make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 5], [3, 3]), key="verify-2")
+    assert torch.equal(seen[-1].positions, before)
+
+
+def test_a_graph_backend_that_is_not_hals_is_refused_at_its_first_capture_before_anything_is_written() -> None:
+    """SGLang's own graph backends warm up and capture by calling the forward, without handing hal
+    the record: hal's layers refuse to run rather than replay later on the captured batch's metadata."""
+    world = World(HalMHATokenToKVPool, seed=2)
+    layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, layer_id=1,
+                           v_head_dim=V_HEAD_DIM)
+    world.backend.init_forward_metadata(make_batch(ForwardMode.DECODE, world, [0, 1], [3, 5], [1, 1]))  # an eager step before
+    world.backend.init_forward_metadata_out_graph(make_batch(ForwardMode.DECODE, world, [0, 1], [3, 5], [1, 1]), in_capture=True)
+    before = [t.clone() for t in world.pool.k_buffer + world.pool.v_buffer]
+    with pytest.raises(UnsupportedConfigError, match="layer 1 runs with no metadata set up.*SGLANG_PLATFORM=hal"):
+        world.backend.forward_decode(torch.ones(2, Q_HEADS * HEAD_DIM), torch.ones(2, KV_HEADS * HEAD_DIM),
+                                     torch.ones(2, KV_HEADS * V_HEAD_DIM), layer, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer + world.pool.v_buffer))
 
 
 def test_out_cache_loc_of_the_wrong_length_is_refused() -> None:
@@ -247,19 +277,21 @@ def test_an_ngram_tree_verify_attends_by_its_tree(layout: str, window: int | Non
     world.write_prefix(layer, reqs, prefix)
     fb = make_batch(ForwardMode.TARGET_VERIFY, world, reqs, prefix, [n, n])
     fb.spec_info = ngram_tree_verify(prefix, layout)
-    if graph:  # captured on the batch (a placeholder tree), replayed on it (its tree)
-        world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * n)
-        world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        world.backend.init_forward_metadata_out_graph(fb)
-    else:
-        world.backend.init_forward_metadata(fb)
-    md = world.backend.forward_metadata
-    assert torch.equal(md.tree_mask, tree_mask_from_parents([PARENTS] * 2))
-    assert md.positions.tolist() == fb.spec_info.positions.tolist()  # hal's positions by depth are SGLang's
     k_new = torch.cat([world.k[r, p : p + n] for r, p in zip(reqs, prefix)]).float()
     v_new = torch.cat([world.v[r, p : p + n] for r, p in zip(reqs, prefix)]).float()
     q = torch.randn((2 * n, Q_HEADS, HEAD_DIM), generator=world.gen)
-    out = world.backend.forward_extend(q.reshape(2 * n, -1), k_new.reshape(2 * n, -1), v_new.reshape(2 * n, -1), layer, fb)
+
+    def attend() -> torch.Tensor:
+        return world.backend.forward_extend(q.reshape(2 * n, -1), k_new.reshape(2 * n, -1), v_new.reshape(2 * n, -1), layer, fb)
+
+    if graph:  # captured on the batch (a placeholder tree), replayed on it (its tree)
+        out = replayed(captured_by_hal_graphs(world.backend, fb, attend), world.backend, fb)
+    else:
+        world.backend.init_forward_metadata(fb)
+        out = attend()
+    md = world.backend.forward_metadata
+    assert torch.equal(md.tree_mask, tree_mask_from_parents([PARENTS] * 2))
+    assert md.positions.tolist() == fb.spec_info.positions.tolist()  # hal's positions by depth are SGLang's
     expect = tree_oracle(q, world, reqs, prefix, window)
     torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
     chain = oracle(q, world, reqs, [n, n], [p + n for p in prefix], window)
@@ -271,16 +303,16 @@ def test_a_tree_verify_graph_is_captured_on_a_placeholder_chain_and_replays_each
     allocates): the capture takes a chain of the batch's shape, each replay the batch's own tree."""
     world = World(HalMHATokenToKVPool, seed=4)
     n = len(PARENTS)
-    world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * n)
     capture = make_batch(ForwardMode.TARGET_VERIFY, world, [0, 1], [3, 4], [n, n])
     capture.spec_info = eagle_verify(n, topk=2, custom_mask=torch.ones(1000, dtype=torch.bool))
-    world.backend.init_forward_metadata_out_graph(capture, in_capture=True)
-    static = world.backend.forward_metadata.tensors()
+    seen = []
+    graphs = captured_by_hal_graphs(world.backend, capture, lambda: seen.append(world.backend.forward_metadata))
+    static = seen[-1].tensors()
     assert torch.equal(static["tree_mask"], chain_tree_mask(2, n))
     replay = make_batch(ForwardMode.TARGET_VERIFY, world, [2, 3], [7, 9], [n, n])
     replay.spec_info = ngram_tree_verify([7, 9], "qlen")
-    world.backend.init_forward_metadata_out_graph(replay)
-    md = world.backend.forward_metadata
+    replayed(graphs, world.backend, replay)
+    md = seen[-1]
     assert md.tensors()["tree_mask"] is static["tree_mask"]  # the captured tensor, now holding the batch's trees
     assert torch.equal(md.tree_mask, tree_mask_from_parents([PARENTS] * 2))
 
@@ -388,7 +420,6 @@ def test_fuzz_bad_forward_batches_are_refused_before_any_write() -> None:
 
     world = World(HalMHATokenToKVPool, seed=8)
     layer = RadixAttention(num_heads=Q_HEADS, head_dim=HEAD_DIM, scaling=0.25, num_kv_heads=KV_HEADS, layer_id=0, v_head_dim=V_HEAD_DIM)
-    world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
 
     @settings(max_examples=24, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(kind=st.sampled_from(sorted(_fuzz_cases(world, 0))), n=st.integers(0, 40), graph=st.booleans())
@@ -397,12 +428,15 @@ def test_fuzz_bad_forward_batches_are_refused_before_any_write() -> None:
         before = [t.clone() for t in world.pool.k_buffer + world.pool.v_buffer]
         rows = int(sum(fb.extend_seq_lens_cpu))
         with pytest.raises(error) as info:
+            def attend() -> torch.Tensor:
+                return world.backend.forward_extend(torch.zeros(rows, Q_HEADS * HEAD_DIM), torch.ones(rows, KV_HEADS * HEAD_DIM),
+                                                    torch.ones(rows, KV_HEADS * V_HEAD_DIM), layer, fb)  # fmt: skip
+
             if graph:
-                world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+                captured_by_hal_graphs(world.backend, fb, attend)
             else:
                 world.backend.init_forward_metadata(fb)
-            world.backend.forward_extend(torch.zeros(rows, Q_HEADS * HEAD_DIM), torch.ones(rows, KV_HEADS * HEAD_DIM),
-                                         torch.ones(rows, KV_HEADS * V_HEAD_DIM), layer, fb)  # fmt: skip
+                attend()
         assert names in str(info.value), (kind, str(info.value))
         assert all(torch.equal(a, b) for a, b in zip(before, world.pool.k_buffer + world.pool.v_buffer)), kind
 

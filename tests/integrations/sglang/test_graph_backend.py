@@ -26,10 +26,21 @@ def make_backend(metadata: object = None) -> HalGraphBackend:
     return bound_to(HalGraphBackend, hal.get_backend("cpu"))(runner)  # type: ignore[no-any-return]
 
 
-def test_without_a_bound_backend_or_hals_attention_it_refuses() -> None:
+def test_without_a_bound_backend_it_refuses() -> None:
+    """The graph backend takes the backend hal's platform bound, and looks none up, not even the
+    attention backend's."""
     runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(device="cpu", attn_backend=types.SimpleNamespace()))
     with pytest.raises(UnsupportedConfigError, match="SGLANG_PLATFORM=hal"):
         HalGraphBackend(runner)
+
+
+def test_an_attention_backend_on_another_hal_backend_is_refused() -> None:
+    npu = hal.get_backend("npu", emulate=True)
+    attn = npu_verify_setup(npu)[0]
+    runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(device="cpu", attn_backend=attn))
+    with pytest.raises(UnsupportedConfigError, match="both come from the one hal backend"):
+        bound_to(HalGraphBackend, hal.get_backend("cpu"))(runner)
+    assert bound_to(HalGraphBackend, npu)(runner).can_run(None, "any") is False
 
 
 def test_capture_then_replay_reads_the_static_inputs() -> None:
@@ -115,7 +126,7 @@ def test_npu_graph_replays_take_the_new_batchs_lengths(monkeypatch: pytest.Monke
 
     npu = hal.get_backend("npu", emulate=True)
     attn, layer, verify_batch, inputs = npu_verify_setup(npu)
-    graphs = HalGraphBackend(types.SimpleNamespace(model_runner=types.SimpleNamespace(device="npu", attn_backend=attn)))
+    graphs = bound_to(HalGraphBackend, npu)(types.SimpleNamespace(model_runner=types.SimpleNamespace(device="npu", attn_backend=attn)))
     static = inputs(4)
     captured_batch = verify_batch([10, 20])
     attn.init_forward_metadata_out_graph(captured_batch, in_capture=True)

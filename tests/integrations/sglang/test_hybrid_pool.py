@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noq
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from forward_batches import make_batch  # noqa: E402
+from forward_batches import captured_by_hal_graphs, make_batch, replayed  # noqa: E402
 
 # What hal's platform hands SGLang: the pool class bound to the backend it resolved.
 HalMHATokenToKVPool = bound_to(UnboundHalPool, hal.get_backend("cpu"))
@@ -195,7 +195,6 @@ def test_a_freed_swa_page_inside_the_window_is_refused_before_anything_is_writte
     before = [t.clone() for t in world.backend.pool.sub_pool_buffers()["swa"]]
     with pytest.raises(CacheLocationError, match=rf"request 1 position {30 - WINDOW} \(full slot {int(seen)}\) maps to SWA slot 0"):
         if graph:
-            world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
             world.backend.init_forward_metadata_out_graph(fb, in_capture=True)
         else:
             world.backend.init_forward_metadata(fb)
@@ -203,16 +202,16 @@ def test_a_freed_swa_page_inside_the_window_is_refused_before_anything_is_writte
 
 
 def test_graph_replay_refreshes_the_swa_block_table() -> None:
-    """Captured hybrid metadata takes a new batch's SWA pages in place."""
+    """A graph captured on hybrid metadata replays on a new batch's SWA pages, in the captured tensor."""
     world = HybridWorld(HalMHATokenToKVPool, seed=4)
-    world.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
     world.place([0, 1], [3, 5], [1, 1])
-    world.backend.init_forward_metadata_out_graph(make_batch(ForwardMode.DECODE, world, [0, 1], [3, 5], [1, 1]), in_capture=True)
-    captured = world.backend.forward_metadata.swa_block_table
+    seen = []
+    graphs = captured_by_hal_graphs(world.backend, make_batch(ForwardMode.DECODE, world, [0, 1], [3, 5], [1, 1]),
+                                    lambda: seen.append(world.backend.forward_metadata))
+    captured = seen[-1].swa_block_table
     world.place([2, 3], [17, 26], [1, 1])
-    second = make_batch(ForwardMode.DECODE, world, [2, 3], [17, 26], [1, 1])
-    world.backend.init_forward_metadata_out_graph(second)
-    assert world.backend.forward_metadata.swa_block_table is captured
+    replayed(graphs, world.backend, make_batch(ForwardMode.DECODE, world, [2, 3], [17, 26], [1, 1]))
+    assert seen[-1].swa_block_table is captured
     expected = [
         [int(world.mapping[world.req_to_token[r, i * PAGE]]) // PAGE for i in range(captured.shape[1]) if i * PAGE < n + 1]
         for r, n in ((2, 17), (3, 26))

@@ -30,7 +30,9 @@ GRAPH_SETUP = ("cuda_graph_setup_platform_graph_runner_on_cpu.patch",
 GRAPH_MODES = ("model_runner_platform_graph_modes_on_cpu.patch", "python/sglang/srt/model_executor/model_runner.py")
 GRAPH_MARKER = ("decode_cuda_graph_runner_capture_marker_without_stream_query.patch",
                 "python/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py")
-ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION, GRAPH_SETUP, GRAPH_MODES, GRAPH_MARKER]
+GRAPH_BACKEND = ("runner_backend_platform_graph_backend_on_every_device.patch",
+                 "python/sglang/srt/model_executor/runner_backend/utils.py")
+ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION, GRAPH_SETUP, GRAPH_MODES, GRAPH_MARKER, GRAPH_BACKEND]
 
 
 def git_apply(tree: Path, patch: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -319,3 +321,43 @@ def test_patched_capture_marker_runs_where_the_device_module_cannot_say_it_captu
         else:
             runner._record_in_graph_metadata_prep_done()
             assert runner.in_graph_metadata_prep_done is None
+
+
+def test_patched_decode_graphs_go_through_the_platforms_graph_backend_on_an_npu(tmp_path: Path) -> None:
+    """On an NPU device upstream takes SGLang's own NPU graph backend whatever the platform says, so
+    hal's platform on Ascend would capture hal's attention through a backend that replays FIA on the
+    captured lengths (which hal's attention refuses); patched, an out-of-tree platform's full graph
+    backend serves the NPU too. In-tree platforms and other graph modes are as upstream."""
+    unpatched, patched = before_and_after(tmp_path, *GRAPH_BACKEND)
+
+    class PlatformGraphs:
+        def __init__(self, runner: object, *, enable_memory_saver: bool = False) -> None:
+            self.runner = runner
+
+    class Platform:
+        def __init__(self, out_of_tree: bool) -> None:
+            self.out_of_tree = out_of_tree
+
+        def is_out_of_tree(self) -> bool:
+            return self.out_of_tree
+
+        def get_full_graph_backend_cls(self) -> type:
+            return PlatformGraphs
+
+    def resolved(module: types.ModuleType, device: str, out_of_tree: bool = True, mode: str = "full") -> str:
+        module.current_platform = Platform(out_of_tree)
+        module.get_exec = lambda: types.SimpleNamespace(
+            graph=types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(decode=types.SimpleNamespace(backend=mode)),
+                                        debug_cuda_graph=False),
+            features=types.SimpleNamespace(enable_memory_saver=False))
+        module.FullCudaGraphBackend = type("FullCudaGraphBackend", (PlatformGraphs,), {})  # SGLang's, which needs CUDA
+        runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(device=device))
+        try:
+            return type(module.resolve_decode_backend(runner)).__name__
+        except Exception:  # SGLang's NPU graph backend, which needs torch_npu to be built
+            return "NPUCudaGraphBackend"
+
+    assert resolved(unpatched, "npu") == "NPUCudaGraphBackend"
+    assert resolved(patched, "npu") == resolved(patched, "cpu") == resolved(unpatched, "cpu") == "PlatformGraphs"
+    assert resolved(patched, "npu", out_of_tree=False) == resolved(unpatched, "npu", out_of_tree=False)
+    assert resolved(patched, "cpu", out_of_tree=False) == resolved(unpatched, "cpu", out_of_tree=False) == "FullCudaGraphBackend"
