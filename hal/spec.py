@@ -77,6 +77,8 @@ def positive_field(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
 def strict_int(value: Any, what: str) -> int:
     """``value`` as an int: Python and numpy integers and one-element integer tensors pass;
     floats (even integral ones), bools, strings and None raise ``SpecError`` naming ``what``."""
+    if type(value) is int:  # the common case, first: checked on every layer call
+        return value
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise SpecError(f"{what} must be an int, got the bool {value!r}")
     if isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex):
@@ -92,6 +94,8 @@ def int_at_least(
 ) -> int:
     """``value`` as an int (``strict_int``'s rules: no bool, no float) that is at least ``minimum``
     (and at most ``maximum`` when given); else ``error`` naming ``what``, the bounds and the value."""
+    if type(value) is int and value >= minimum and (maximum is None or value <= maximum):
+        return value  # the common case, without the exception frame below
     try:
         number = strict_int(value, what)
     except SpecError:

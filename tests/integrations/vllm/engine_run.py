@@ -7,7 +7,8 @@ after another so later rounds can hit the prefix cache), ``max_tokens``, and opt
 ``max_num_batched_tokens`` (chunked prefill), ``speculative_config``, ``max_model_len``, ``logprobs``
 (how many of the most likely tokens to report at each generated position, as ``[token, logprob]`` pairs),
 ``module_files`` (vLLM modules to load from other source files first: a pinned file without hal's
-patch, for a before/after test; the engine then runs in this process).
+patch, for a before/after test; the engine then runs in this process), ``time_attention`` (time the
+attention backend's metadata builds and layer calls, hal's or CPU_ATTN's, during generation).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main(request: dict) -> dict:
     started = time.perf_counter()
     llm = LLM(**options)
     ready = time.perf_counter()
+    attention_time = time_attention_backend() if request.get("time_attention") else None
     top = request.get("logprobs")
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, logprobs=top)
     rounds, likeliest = [], []
@@ -86,7 +88,36 @@ def main(request: dict) -> dict:
         "tokens": rounds, "hal_forwards": hal_calls["forward"], "hal_layers": sorted(hal_layers), "start_s": ready - started, "generate_s": done - ready,
         "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"), "spec_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
         "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"), "likeliest": likeliest, "npu_calls": npu_calls,
+        "attention_time": attention_time,
     }
+
+
+def time_attention_backend() -> dict[str, float]:
+    """Wrap the attention backend's ``build`` (per step) and layer ``forward`` (per layer call) with
+    timers, hal's under hal's platform, CPU_ATTN's otherwise; the totals fill in as the engine runs."""
+    if os.environ.get("HAL_VLLM_PLATFORM") == "1":
+        from hal.integrations.vllm.attention import HalAttentionImpl as Impl
+        from hal.integrations.vllm.attention import HalMetadataBuilder as Builder
+    else:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder as Builder
+    totals = {"build_s": 0.0, "builds": 0, "forward_s": 0.0, "forwards": 0}
+
+    def timed(cls: type, name: str, what: str) -> None:
+        inner = getattr(cls, name)
+
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            totals[f"{what}_s"] += time.perf_counter() - start
+            totals[f"{what}s"] += 1
+            return result
+
+        setattr(cls, name, wrapper)
+
+    timed(Builder, "build", "build")
+    timed(Impl, "forward", "forward")
+    return totals
 
 
 if __name__ == "__main__":
