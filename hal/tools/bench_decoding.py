@@ -9,9 +9,11 @@ of the per-run ratios, with their range in the label.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +32,64 @@ def _distilled_demo_model() -> Any:
     model = TinyMiMo(TinyConfig(seed=0, num_mtp_layers=3))
     distill(model, hal.get_backend("cpu"), DistillConfig())  # cached after the first run
     return model
+
+
+class _RunTimes:
+    """The time and count of every call of a method (a graph runner's ``run``, an engine's prefill),
+    the device synchronized around each: where decoding's time goes (a pass apart from the
+    throughput runs)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def timing(self, backend: Backend, runners: dict[str, list[Any]], method: str = "run") -> Iterator[None]:
+        def timed(name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                backend.synchronize()
+                start = time.perf_counter()
+                out = inner(*args, **kwargs)
+                backend.synchronize()
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+                return out
+
+            return run
+
+        for name, group in runners.items():
+            for runner in group:
+                setattr(runner, method, timed(name, getattr(runner, method)))
+        try:
+            yield
+        finally:
+            for group in runners.values():
+                for runner in group:
+                    delattr(runner, method)  # the class's own method again
+
+    def mean(self, name: str) -> float:
+        return self.seconds[name] / self.calls[name]
+
+
+def mtp_cycle_bound(greedy: Any, mtp: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """What bounds MTP over greedy decoding with these engines, from one timed run of each past the
+    prefill: the verify forward and one draft step in decode forwards, the accept length, the bound
+    and what was achieved. A cycle costs one verify and ``num_steps`` draft steps and yields
+    ``accept`` tokens where a decode forward yields one, so past the prefill MTP/greedy is at most
+    ``accept / (verify + num_steps * draft)``, whatever the rest of a step costs; ``achieved`` is
+    MTP/greedy tok/s past the prefill (each prefill also emits a request's first token)."""
+    times = _RunTimes()
+    with times.timing(greedy.backend, {"decode": [greedy.decode_runner]}):
+        with times.timing(greedy.backend, {"greedy prefill": [greedy]}, "_prefill_target"):
+            plain = greedy.generate(prompts, new_tokens)
+    with times.timing(mtp.backend, {"verify": [mtp.verify_runner], "draft": list(mtp.draft_runners)}):
+        with times.timing(mtp.backend, {"mtp prefill": [mtp]}, "_prefill"):
+            spec = mtp.generate(prompts, new_tokens)
+    decode = times.mean("decode")
+    verify, draft, accept = times.mean("verify") / decode, times.mean("draft") / decode, spec.mean_accept_length
+    rate = [(r.num_generated - len(prompts)) / (r.seconds - times.seconds[name]) for r, name in ((spec, "mtp prefill"), (plain, "greedy prefill"))]
+    return {"verify": verify, "draft": draft, "accept": accept, "bound": accept / (verify + mtp.num_steps * draft),
+            "achieved": rate[0] / rate[1]}
 
 
 def bench_speculative(backend: Backend, quick: bool) -> list[Measurement]:
@@ -100,9 +160,15 @@ def bench_vs_plain(
                               [h / p for h, p in pairs], "hal/plain tok/s", ">= 1" if name == "greedy" else ">= 2"))
         # Speculative decoding must never cost time: MTP against hal's own greedy, paired by repeat.
         greedy, mtp = samples["greedy"], samples["mtp"]
+        mtp_over_greedy = [m / g for (m, _), (g, _) in zip(mtp, greedy)]
         out.append(judged(f"hal {mtp_name} vs hal greedy, batch {batch}, prompt {prompt_len}",
                           statistics.median(m for m, _ in mtp), statistics.median(g for g, _ in greedy), "tok/s",
-                          [m / g for (m, _), (g, _) in zip(mtp, greedy)], "MTP/greedy tok/s", ">= 1"))
+                          mtp_over_greedy, "MTP/greedy tok/s", ">= 1"))
+        cycle = mtp_cycle_bound(decoders["greedy"], decoders["mtp"], prompts, new_tokens)
+        out.append(Measurement(
+            f"hal MTP/greedy past the prefill vs its bound accept / (verify + 3 drafts), batch {batch}, prompt {prompt_len}: "
+            f"verify = {cycle['verify']:.2f} decode forwards, a draft step {cycle['draft']:.2f}, accept {cycle['accept']:.2f}",
+            cycle["achieved"], cycle["bound"], "MTP/greedy tok/s", cycle["achieved"] / cycle["bound"] * 100, "% of the bound"))
         log(f"plain decoder comparison: batch {batch}, prompt {prompt_len} done")
     return out
 

@@ -207,11 +207,14 @@ def test_plain_decoder_rows_check_tokens_and_carry_targets(monkeypatch: pytest.M
     monkeypatch.setattr(decoding, "_distilled_demo_model", lambda: TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=3)))
     rows = decoding.bench_vs_plain(hal.get_backend("cpu"), True, log=lambda line: None)
     assert [(m.target, m.ratio_of) for m in rows] == [
-        (">= 1", "hal/plain tok/s"), (">= 2", "hal/plain tok/s"), (">= 1", "MTP/greedy tok/s")] * 2
-    for m in rows:
+        (">= 1", "hal/plain tok/s"), (">= 2", "hal/plain tok/s"), (">= 1", "MTP/greedy tok/s"), ("", "% of the bound")] * 2
+    judged_rows = [m for m in rows if m.ratio_of != "% of the bound"]
+    for m in judged_rows:
         assert m.spread is not None and m.spread[0] <= m.ratio <= m.spread[1] and m.met is not None
-    for greedy, mtp, versus in zip(rows[::3], rows[1::3], rows[2::3]):
+    for greedy, mtp, versus in zip(rows[::4], rows[1::4], rows[2::4]):
         assert (versus.hal, versus.baseline) == (mtp.hal, greedy.hal)
+    for bound in rows[3::4]:
+        assert bound.ratio == pytest.approx(bound.hal / bound.baseline * 100) and "verify =" in bound.name
 
     real = PlainDecoder.generate
 
@@ -222,3 +225,24 @@ def test_plain_decoder_rows_check_tokens_and_carry_targets(monkeypatch: pytest.M
     monkeypatch.setattr(PlainDecoder, "generate", off_by_one)
     with pytest.raises(ResultMismatchError, match="differ from the plain decoder's"):
         decoding.bench_vs_plain(hal.get_backend("cpu"), True, log=lambda line: None)
+
+
+def test_the_mtp_bound_times_every_runner_call_and_leaves_the_engines_as_they_were() -> None:
+    """``mtp_cycle_bound`` times the decode, verify and draft runners' calls (and each prefill) on
+    the engines themselves, then gives them back their own methods; the bound is the accept length
+    over a cycle's forwards, counted in decode forwards."""
+    import hal.tools.bench_decoding as decoding
+    from hal.speculative import GreedyDecoder, MultiLayerEagleWorker
+    from hal.speculative.model import TinyConfig, TinyMiMo
+
+    model = TinyMiMo(TinyConfig(num_layers=3, num_mtp_layers=3))
+    args = {"max_batch_size": 2, "max_seq_len": 48, "graph_batch_sizes": [2]}
+    greedy, mtp = GreedyDecoder(model, hal.get_backend("cpu"), **args), MultiLayerEagleWorker(model, hal.get_backend("cpu"), **args)
+    prompts = [[3, 5, 7, 9], [2, 4, 6, 8, 10, 12]]
+    expected = greedy.generate(prompts, 12).tokens
+    cycle = decoding.mtp_cycle_bound(greedy, mtp, prompts, 12)
+    assert all("run" not in vars(r) for r in (greedy.decode_runner, mtp.verify_runner, *mtp.draft_runners))
+    assert "_prefill_target" not in vars(greedy) and "_prefill" not in vars(mtp)
+    assert mtp.generate(prompts, 12).tokens == expected  # the engines decode as before
+    assert 1 <= cycle["accept"] <= mtp.num_steps + 1 and cycle["verify"] > 0 and cycle["draft"] > 0 and cycle["achieved"] > 0
+    assert cycle["bound"] == pytest.approx(cycle["accept"] / (cycle["verify"] + mtp.num_steps * cycle["draft"]))
