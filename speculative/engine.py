@@ -20,6 +20,7 @@ from hal.distributed import SINGLE, TPGroup
 from hal.errors import SpecError
 from hal.graph_runner import Forward
 from hal.metadata import AttentionMetadata
+from hal.plan import ForwardPlan
 from hal.protocols import AttentionKernel, Backend
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, int_at_least, strict_ints
 from hal.speculative.contract import EngineModel, ModelSpec
@@ -30,9 +31,11 @@ class KernelAttend:
     once here and handed to every layer; each call casts q/k/v (and sinks) to the KV-cache dtype,
     calls the hal kernel, and casts the output back to the model's compute dtype."""
 
-    def __init__(self, kernel: AttentionKernel, metadata: AttentionMetadata) -> None:
+    def __init__(self, kernel: AttentionKernel, metadata: AttentionMetadata, plan: ForwardPlan | None = None) -> None:
+        """``plan``: one made earlier, taken when it still serves ``metadata`` on this kernel's pool
+        (made from that record, in the capture running now), else a new one is made."""
         self.kernel = kernel
-        self.plan = kernel.plan(metadata)
+        self.plan = plan if plan is not None and plan.serves(metadata, kernel.pool) else kernel.plan(metadata)
         self.dtype = kernel.pool.spec.dtype
 
     def __call__(

@@ -53,6 +53,7 @@ class MultiLayerEagleWorker(TargetEngine):
         target = self.target_pool.spec
         self.mtp_pool = self.backend.create_kv_pool(KVPoolSpec.for_layers(self.draft_layers, target.size, target.page_size, target.dtype))
         self.mtp_attention = self.backend.create_attention(self.mtp_pool)
+        self._draft_plan: ForwardPlan | None = None  # the latest draft step's plan (``_mtp_tokens``)
         rows = num_steps + 1
         self.verify_runner = self._graph_runner(
             self._target_tokens_and_hidden,
@@ -78,9 +79,10 @@ class MultiLayerEagleWorker(TargetEngine):
     def _mtp_tokens(
         self, step: int, input_ids: torch.Tensor, target_hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.model.mtp_hidden(
-            step, input_ids, target_hidden, metadata.positions, KernelAttend(self.mtp_attention, metadata)
-        )
+        # A cycle's draft steps share one metadata record, so they share its plan (made once, by the first).
+        attend = KernelAttend(self.mtp_attention, metadata, self._draft_plan)
+        self._draft_plan = attend.plan
+        hidden = self.model.mtp_hidden(step, input_ids, target_hidden, metadata.positions, attend)
         return self.model.logits(hidden).argmax(-1)
 
     @staticmethod

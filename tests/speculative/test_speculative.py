@@ -332,3 +332,26 @@ def test_draft_extend_rows_carry_the_rotated_tokens(model: TinyMiMo) -> None:
     finally:
         for r in requests:
             spec._finish(r)
+
+
+def test_a_cycles_draft_steps_share_one_plan_and_stay_lossless(model: TinyMiMo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft steps of one cycle read one metadata record: the first step's plan serves the
+    others (one ``plan`` call per cycle on the MTP kernel, the prefill's tail aside), and the
+    tokens still equal plain greedy decoding's."""
+    plain, spec = engines(model, "cpu", 3, 4)
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8, 6, 4, 2, 11, 13, 1]]
+    expected = plain.generate(prompts, 20).tokens
+    kernel = spec.mtp_attention
+    made = []
+    real_plan = type(kernel).plan
+
+    def counted(self, metadata):  # type: ignore[no-untyped-def]
+        made.append(metadata.mode)
+        return real_plan(self, metadata)
+
+    monkeypatch.setattr(type(kernel), "plan", counted)
+    result = spec.generate(prompts, 20)
+    assert result.tokens == expected
+    cycles = result.target_forwards - 1  # the prefill is the first forward
+    drafts = [mode for mode in made if mode == hal.ForwardMode.DRAFT_EXTEND_V2]
+    assert len(drafts) == cycles, (len(drafts), cycles)  # without sharing: 3 per cycle
