@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from hal.metadata import AttentionMetadata, build_metadata
+from hal.plan import ForwardPlan
 from hal.protocols import Backend
 from hal.spec import ForwardMode, KVPoolSpec, int_at_least
 from hal.speculative.chain import greedy_accept, rotate_input_ids
