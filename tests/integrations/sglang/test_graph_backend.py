@@ -16,6 +16,8 @@ from hal.errors import GraphError, UnsupportedConfigError  # noqa: E402
 from hal.integrations.sglang.graph import HalGraphBackend  # noqa: E402
 from hal.integrations.sglang.plugin import bound_to  # noqa: E402
 
+from forward_batches import captured_by_hal_graphs, replayed  # noqa: E402
+
 
 def make_backend(metadata: object = None) -> HalGraphBackend:
     """The graph backend as hal's platform hands it to SGLang (bound to its hal backend), under an
@@ -126,21 +128,17 @@ def test_npu_graph_replays_take_the_new_batchs_lengths(monkeypatch: pytest.Monke
 
     npu = hal.get_backend("npu", emulate=True)
     attn, layer, verify_batch, inputs = npu_verify_setup(npu)
-    graphs = bound_to(HalGraphBackend, npu)(types.SimpleNamespace(model_runner=types.SimpleNamespace(device="npu", attn_backend=attn)))
     static = inputs(4)
     captured_batch = verify_batch([10, 20])
-    attn.init_forward_metadata_out_graph(captured_batch, in_capture=True)
-    with graphs.capture_session(stream=None):
-        graphs.capture_one("verify-2", lambda: attn.forward_extend(*static, layer, captured_batch))
+    graphs = captured_by_hal_graphs(attn, captured_batch, lambda: attn.forward_extend(*static, layer, captured_batch), key="verify-2")
     assert graphs.captured("verify-2").captured_calls  # FIA recorded its host-side lengths
 
     def replay(prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         new = inputs(4)
         batch = verify_batch(prefix)
-        attn.init_forward_metadata_out_graph(batch)
         for buffer, value in zip(static, new):
             buffer.copy_(value)
-        out = graphs.replay("verify-2", static_forward_batch=None).clone()
+        out = replayed(graphs, attn, batch, key="verify-2").clone()
         attn.init_forward_metadata(batch)
         return out, attn.forward_extend(*new, layer, batch)
 
