@@ -1,9 +1,11 @@
-"""The CPU backend: pure torch, ``hal demo``'s default; held to ``hal.oracle`` like every backend."""
+"""The CPU backend: torch, and a small compiled kernel for decode-sized batches (``native``), ``hal
+demo``'s default; held to ``hal.oracle`` like every backend."""
 
 from __future__ import annotations
 
 import torch
 
+from hal.backends.cpu import native
 from hal.backends.cpu.attention import CpuAttention
 from hal.backends.cpu.graph import CpuGraph
 from hal.backends.cpu.kv_pool import CpuKVPool
@@ -11,7 +13,7 @@ from hal.sdk import Availability, BackendBase
 
 
 class CpuBackend(BackendBase):
-    """Host memory, ``paged_attention`` and eager graphs; always available."""
+    """Host memory, ``paged_attention`` (compiled or torch) and eager graphs; always available."""
 
     name = "cpu"
     device_type = "cpu"
@@ -24,4 +26,5 @@ class CpuBackend(BackendBase):
 
     @classmethod
     def probe(cls) -> Availability:
-        return Availability(True, "pure torch", device_count=1, versions={"torch": torch.__version__})
+        return Availability(True, f"torch; compiled attention {native.native_status()}", device_count=1,
+                            versions={"torch": torch.__version__})

@@ -1,4 +1,5 @@
-"""The CPU backend's kernel: ``paged_attention`` (this package's) on the pool, with a gather workspace."""
+"""The CPU backend's kernel: the compiled kernel (``native``) for batches of few query rows per
+request, ``paged_attention`` (pure torch, with a gather workspace) for every other batch."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ from typing import Any
 
 import torch
 
+from hal.backends.cpu import native
 from hal.backends.cpu.paged_attention import GatherWorkspace, paged_attention
 from hal.backends.cpu.tile_plan import plan_attention
 from hal.sdk import AttentionKernelBase, ForwardPlan, KVPool, LayerSpec
+
+# Up to this many query rows per request (decode, verify and draft steps) the compiled kernel,
+# which reads each row's keys in place, beats the torch kernel's batched matmuls; prompt chunks
+# go to torch's flash attention.
+NATIVE_MAX_QUERY_ROWS = 16
 
 
 class CpuAttention(AttentionKernelBase):
@@ -38,6 +45,11 @@ class CpuAttention(AttentionKernelBase):
     ) -> torch.Tensor:
         metadata = plan.metadata
         table = self.block_table(layer, metadata)
+        if plan.per_layer_kind("cpu-native", lambda: self._native_serves(plan)):
+            k_cache, v_cache = self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id)
+            if k_cache.stride(3) == v_cache.stride(3) == 1 and not _needs_grad(q, k_cache, v_cache, sinks):
+                return native.paged_attention(q, k_cache, v_cache, table, metadata.kv_lens, metadata.cu_q_lens,
+                                              scaling=layer.scaling, sliding_window=layer.sliding_window, sinks=sinks)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
         # torch's fused attention takes no sink logit, and is slower than the explicit matmuls where
         # the qk and v head dims differ
@@ -53,3 +65,14 @@ class CpuAttention(AttentionKernelBase):
         # Layers of one kind share the index plan: index tensors and masks are built once per forward.
         return self._paged(paged_attention, q, layer, plan, sinks, workspace=self.workspace,
                            plan=plan.per_layer_kind(kind, index_plan))
+
+    def _native_serves(self, plan: ForwardPlan) -> bool:
+        """Whether the compiled kernel takes this forward: a chain (no tree) of at most
+        ``NATIVE_MAX_QUERY_ROWS`` rows per request, with the library built (``native.native_status``)."""
+        metadata = plan.metadata
+        return metadata.tree_mask is None and max(metadata.q_lens_cpu, default=0) <= NATIVE_MAX_QUERY_ROWS and native.available()
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must see the attention (the compiled kernel has no backward)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

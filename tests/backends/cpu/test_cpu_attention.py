@@ -1,6 +1,7 @@
-"""The CPU backend's tuned kernel (tiles, gathers, in-place strided reads, torch's flash kernel)
+"""The CPU backend's pure-torch kernel (tiles, gathers, in-place strided reads, torch's flash kernel)
 against hal's oracle (``hal.oracle.dense_attention``, float64), over pools whose unwritten rows hold
-NaN and inf."""
+NaN and inf. Every batch here goes through it (``torch_kernel``); the compiled kernel, which takes
+decode-sized batches by default, is held to the same oracle in ``test_native_kernel.py``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
 from hal.tools.conformance import tree_cases
 from hal.tools.testing import TOLERANCE, run_attention_case
 from hal.tree import tree_mask_from_parents
+
+pytestmark = pytest.mark.usefixtures("torch_kernel")
 
 M = ForwardMode
 EXPENSIVE = settings.get_profile("hal-expensive")

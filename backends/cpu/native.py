@@ -1,0 +1,152 @@
+"""The CPU backend's compiled kernel (``paged_attention.c``): built on first use with the machine's
+C compiler into hal's cache, loaded with ctypes, and held to ``hal.oracle`` like the torch kernel.
+
+Why compiled, and why this way: a decode step's attention is a few microseconds of arithmetic,
+and the pure-torch kernel spends about a hundred on op dispatch and index bookkeeping around it.
+The C file includes no torch header, so it builds in about a second with any C11 compiler, at
+first use rather than at install: ``pip install`` stays pure Python, and a machine with no
+compiler (or ``HAL_CPU_NATIVE=0``) runs the pure-torch kernel, which serves every batch; why the
+compiled one is not in use is ``native_status()``, which ``hal info`` prints.
+
+The build lands in ``$HAL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/hal``, else ``~/.cache/hal``)
+under a name hashing the source, the flags, the compiler and the CPU's features, written to a
+temporary file and renamed into place, so processes building at once (tensor-parallel ranks)
+never load a half-written library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+# -fopenmp-simd: the source's simd pragmas (vectorised reductions) without an OpenMP runtime;
+# -march=native: the library is built for, and cached per, the CPU it runs on.
+_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-march=native")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept."""
+    explicit = os.environ.get("HAL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hal"
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), platform.machine().encode(),
+                                     _cpu_features().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def _load() -> None:
+    global _library, _status
+    if os.environ.get("HAL_CPU_NATIVE", "1") == "0":
+        _status = "off: HAL_CPU_NATIVE=0"
+        return
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        _status = f"unavailable: no C compiler ({compiler!r} is not on PATH; set CC)"
+        return
+    try:
+        path = _build(compiler)
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        _status = f"unavailable: {error}"
+        return
+    function = library.hal_paged_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
+                         ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ptr, i32]
+    function.restype = i32
+    _library, _status = library, f"in use: {path}"
+
+
+def native_status() -> str:
+    """Whether the compiled kernel is in use (and the library's path), or why not; builds it when
+    nothing has been tried in this process."""
+    with _lock:
+        if _status is None:
+            _load()
+    assert _status is not None
+    return _status
+
+
+def available() -> bool:
+    """Whether ``paged_attention`` below can run (the library built and loaded)."""
+    if _status is None:
+        native_status()
+    return _library is not None
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, Dk]
+    k_cache: torch.Tensor,  # [pages + 1, page_size, Hkv, Dk]
+    v_cache: torch.Tensor,  # [pages + 1, page_size, Hkv, Dv]
+    block_table: torch.Tensor,  # [B, max_pages] int32
+    kv_lens: torch.Tensor,  # [B] int32
+    cu_q_lens: torch.Tensor,  # [B + 1] int32
+    *,
+    scaling: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,  # [Hq]
+) -> torch.Tensor:
+    """``hal.oracle.paged_oracle``'s result (chains only, no tree mask) from the compiled kernel, in
+    ``q``'s dtype. The caller checked the arguments (``validate_attention_call``); this checks only
+    what the C code relies on: the dtypes, a unit stride along each head dim, host memory."""
+    assert _library is not None, "paged_attention called without available()"
+    t, hq, dk = q.shape
+    _, page_size, hkv, dv = v_cache.shape
+    dtype = _DTYPE_CODES[q.dtype]
+    assert k_cache.dtype == v_cache.dtype == q.dtype and q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1
+    assert block_table.dtype == kv_lens.dtype == cu_q_lens.dtype == torch.int32 and block_table.stride(1) == 1
+    kv_lens, cu_q_lens = kv_lens.contiguous(), cu_q_lens.contiguous()
+    sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()
+    out = torch.empty((t, hq, dv), dtype=torch.float32)
+    status = _library.hal_paged_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        dtype, page_size, hq, hkv, dk, dv,
+        block_table.data_ptr(), block_table.stride(0), kv_lens.data_ptr(), cu_q_lens.data_ptr(), kv_lens.shape[0],
+        scaling, -1 if sliding_window is None else sliding_window, None if sink_row is None else sink_row.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,261 @@
+/* The CPU backend's compiled paged attention for batches of few query rows per request (decode,
+ * verify, draft steps): hal's masking rule read straight from the paged cache, one pass per
+ * request and KV head, with no gather and no per-op dispatch. Built and loaded by
+ * hal.backends.cpu.native; held to hal.oracle like the pure-torch kernel.
+ *
+ * Query row i of request b sits at p = kv_len - q_len + i and sees keys lo..p, lo = max(0, p - W)
+ * on a sliding-window layer (W >= 0) and 0 otherwise. Scores and sums are fp32; a sink is one
+ * more logit in each row's softmax, with no value. Keys a row does not see are never read, so a
+ * NaN there cannot reach it. Plain C11: no torch headers, so the build takes about a second. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { HAL_F32 = 0, HAL_BF16 = 1, HAL_F16 = 2 };
+
+/* About 200 us of one core's multiply-adds: below this a second thread costs more than it saves. */
+#define MIN_WORK_PER_THREAD 2e6
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float f16_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) {
+        float f = (float)mantissa * (1.0f / 16777216.0f); /* zero or subnormal: mantissa * 2^-24 */
+        return sign ? -f : f;
+    }
+    if (exponent == 31)
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    else
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A row of n elements as fp32: the row itself when it is fp32, else converted into buf. */
+static inline const float *row_f32(const void *row, int dtype, int n, float *buf) {
+    if (dtype == HAL_F32) return (const float *)row;
+    const uint16_t *h = (const uint16_t *)row;
+    if (dtype == HAL_BF16) {
+#pragma omp simd
+        for (int i = 0; i < n; i++) buf[i] = bf16_to_float(h[i]);
+    } else {
+        for (int i = 0; i < n; i++) buf[i] = f16_to_float(h[i]);
+    }
+    return buf;
+}
+
+/* exp(x) for x <= 0 (a score less the row's maximum), in a form the compiler vectorises: 2^n times
+ * a degree-6 polynomial on |r| <= ln2/2 (within 2 ulp of expf); 0 below -87.3 (where expf is
+ * subnormal), NaN for NaN. */
+static inline float exp_nonpositive(float x) {
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t e = x < -87.3f || x != x ? 0 : (int32_t)n + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x != x ? x : p * scale;
+}
+
+static inline size_t element_size(int dtype) { return dtype == HAL_F32 ? 4 : 2; }
+
+typedef struct {
+    const char *q, *k_cache, *v_cache;
+    int64_t q_stride_token, q_stride_head, k_stride_page, k_stride_slot, k_stride_head, v_stride_page, v_stride_slot, v_stride_head;
+    int dtype, page_size, q_heads, kv_heads, qk_dim, v_dim, group, max_keys;
+    const int32_t *block_table, *kv_lens, *cu_q_lens;
+    int64_t table_stride;
+    float scaling;
+    int window;
+    const float *sinks;
+    float *out;
+} Call;
+
+typedef struct {
+    float *scores, *queries, *acc, *row;
+} Scratch;
+
+static int scratch_alloc(const Call *c, Scratch *s) {
+    s->scores = malloc(sizeof(float) * (size_t)c->group * (size_t)c->max_keys);
+    s->queries = malloc(sizeof(float) * (size_t)c->group * (size_t)c->qk_dim);
+    s->acc = malloc(sizeof(float) * (size_t)c->group * (size_t)c->v_dim);
+    s->row = malloc(sizeof(float) * (size_t)(c->qk_dim > c->v_dim ? c->qk_dim : c->v_dim));
+    return s->scores && s->queries && s->acc && s->row ? 0 : -1;
+}
+
+static void scratch_free(Scratch *s) { free(s->scores), free(s->queries), free(s->acc), free(s->row); }
+
+/* Every query row of request b on KV head h: its group of query heads against the keys it sees. */
+static void attend(const Call *c, int b, int h, Scratch *s) {
+    const size_t esize = element_size(c->dtype);
+    const int group = c->group, qk_dim = c->qk_dim, v_dim = c->v_dim, page_size = c->page_size;
+    const int q_len = c->cu_q_lens[b + 1] - c->cu_q_lens[b], kv_len = c->kv_lens[b];
+    const int32_t *pages = c->block_table + (int64_t)b * c->table_stride;
+    for (int i = 0; i < q_len; i++) {
+        const int64_t token = c->cu_q_lens[b] + i;
+        const int p = kv_len - q_len + i;
+        const int lo = c->window >= 0 && p - c->window > 0 ? p - c->window : 0;
+        const int n = p - lo + 1;
+        for (int g = 0; g < group; g++) {
+            const float *qr = row_f32(c->q + (token * c->q_stride_token + (int64_t)(h * group + g) * c->q_stride_head) * esize,
+                                      c->dtype, qk_dim, s->row);
+            for (int d = 0; d < qk_dim; d++) s->queries[g * qk_dim + d] = qr[d] * c->scaling;
+        }
+        /* keys lo..p, a run of consecutive slots per page */
+        for (int j = lo; j <= p;) {
+            const int64_t page = pages[j / page_size];
+            const int first = j % page_size, run = page_size - first < p - j + 1 ? page_size - first : p - j + 1;
+            const char *base = c->k_cache + (page * c->k_stride_page + first * c->k_stride_slot + h * c->k_stride_head) * esize;
+            int r = 0;
+            if (c->dtype == HAL_F32) /* four keys at a time: four independent sums per query head */
+                for (; r + 4 <= run; r += 4) {
+                    const float *k0 = (const float *)(base + r * c->k_stride_slot * esize), *k1 = k0 + c->k_stride_slot,
+                                *k2 = k1 + c->k_stride_slot, *k3 = k2 + c->k_stride_slot;
+                    for (int g = 0; g < group; g++) {
+                        const float *qg = s->queries + g * qk_dim;
+                        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                        for (int d = 0; d < qk_dim; d++) d0 += qg[d] * k0[d], d1 += qg[d] * k1[d], d2 += qg[d] * k2[d], d3 += qg[d] * k3[d];
+                        float *out = s->scores + (size_t)g * c->max_keys + (j - lo + r);
+                        out[0] = d0, out[1] = d1, out[2] = d2, out[3] = d3;
+                    }
+                }
+            for (; r < run; r++) {
+                const float *key = row_f32(base + r * c->k_stride_slot * esize, c->dtype, qk_dim, s->row);
+                for (int g = 0; g < group; g++) {
+                    const float *qg = s->queries + g * qk_dim;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int d = 0; d < qk_dim; d++) dot += qg[d] * key[d];
+                    s->scores[(size_t)g * c->max_keys + (j - lo + r)] = dot;
+                }
+            }
+            j += run;
+        }
+        for (int g = 0; g < group; g++) {
+            float *sg = s->scores + (size_t)g * c->max_keys;
+            const float sink = c->sinks ? c->sinks[h * group + g] : -INFINITY;
+            float m = sink; /* a NaN score is skipped here and reaches the sum through its exp */
+#pragma omp simd reduction(max : m)
+            for (int t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;
+            float total = c->sinks ? exp_nonpositive(sink - m) : 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int t = 0; t < n; t++) total += (sg[t] = exp_nonpositive(sg[t] - m));
+            const float inverse = 1.0f / total;
+#pragma omp simd
+            for (int t = 0; t < n; t++) sg[t] *= inverse;
+        }
+        memset(s->acc, 0, sizeof(float) * (size_t)group * (size_t)v_dim);
+        for (int j = lo; j <= p;) {
+            const int64_t page = pages[j / page_size];
+            const int first = j % page_size, run = page_size - first < p - j + 1 ? page_size - first : p - j + 1;
+            const char *base = c->v_cache + (page * c->v_stride_page + first * c->v_stride_slot + h * c->v_stride_head) * esize;
+            int r = 0;
+            if (c->dtype == HAL_F32) /* four keys at a time: one pass over each accumulator row */
+                for (; r + 4 <= run; r += 4) {
+                    const float *v0 = (const float *)(base + r * c->v_stride_slot * esize), *v1 = v0 + c->v_stride_slot,
+                                *v2 = v1 + c->v_stride_slot, *v3 = v2 + c->v_stride_slot;
+                    for (int g = 0; g < group; g++) {
+                        const float *w = s->scores + (size_t)g * c->max_keys + (j - lo + r);
+                        const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+                        float *ag = s->acc + g * v_dim;
+#pragma omp simd
+                        for (int d = 0; d < v_dim; d++) ag[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+                    }
+                }
+            for (; r < run; r++) {
+                const float *value = row_f32(base + r * c->v_stride_slot * esize, c->dtype, v_dim, s->row);
+                for (int g = 0; g < group; g++) {
+                    const float w = s->scores[(size_t)g * c->max_keys + (j - lo + r)];
+                    float *ag = s->acc + g * v_dim;
+#pragma omp simd
+                    for (int d = 0; d < v_dim; d++) ag[d] += w * value[d];
+                }
+            }
+            j += run;
+        }
+        for (int g = 0; g < group; g++)
+            memcpy(c->out + (token * c->q_heads + h * group + g) * (int64_t)v_dim, s->acc + g * v_dim, sizeof(float) * (size_t)v_dim);
+    }
+}
+
+typedef struct {
+    const Call *call;
+    int batch, first, step, status;
+} Worker;
+
+/* Work items (request, KV head) first, first + step, ... of the call's batch * kv_heads. */
+static void *run_worker(void *arg) {
+    Worker *w = arg;
+    Scratch s;
+    w->status = scratch_alloc(w->call, &s);
+    if (w->status == 0)
+        for (int item = w->first; item < w->batch * w->call->kv_heads; item += w->step)
+            attend(w->call, item / w->call->kv_heads, item % w->call->kv_heads, &s);
+    scratch_free(&s);
+    return NULL;
+}
+
+/* Returns 0, or -1 when scratch memory or a thread could not be had. threads > 1 splits the
+ * (request, KV head) items across that many threads (the caller decides when that pays). */
+int hal_paged_attention(
+    const void *q, int64_t q_stride_token, int64_t q_stride_head, /* [T, Hq, Dk], unit stride in Dk */
+    const void *k_cache, int64_t k_stride_page, int64_t k_stride_slot, int64_t k_stride_head,
+    const void *v_cache, int64_t v_stride_page, int64_t v_stride_slot, int64_t v_stride_head,
+    int dtype, int page_size, int q_heads, int kv_heads, int qk_dim, int v_dim,
+    const int32_t *block_table, int64_t table_stride, const int32_t *kv_lens, const int32_t *cu_q_lens, int batch,
+    float scaling, int window, const float *sinks, /* [Hq] fp32, or NULL */
+    float *out, /* [T, Hq, Dv] fp32, contiguous */
+    int threads) {
+    Call c = {
+        .q = q, .k_cache = k_cache, .v_cache = v_cache, .q_stride_token = q_stride_token, .q_stride_head = q_stride_head,
+        .k_stride_page = k_stride_page, .k_stride_slot = k_stride_slot, .k_stride_head = k_stride_head,
+        .v_stride_page = v_stride_page, .v_stride_slot = v_stride_slot, .v_stride_head = v_stride_head,
+        .dtype = dtype, .page_size = page_size, .q_heads = q_heads, .kv_heads = kv_heads, .qk_dim = qk_dim, .v_dim = v_dim,
+        .group = q_heads / kv_heads, .max_keys = 1, .block_table = block_table, .kv_lens = kv_lens, .cu_q_lens = cu_q_lens,
+        .table_stride = table_stride, .scaling = scaling, .window = window, .sinks = sinks, .out = out,
+    };
+    double multiply_adds = 0.0; /* multiply-adds: a thread costs tens of microseconds to start, so only big calls split */
+    for (int b = 0; b < batch; b++) {
+        if (kv_lens[b] > c.max_keys) c.max_keys = kv_lens[b];
+        multiply_adds += (double)(cu_q_lens[b + 1] - cu_q_lens[b]) * kv_lens[b] * q_heads * (qk_dim + v_dim);
+    }
+    const int items = batch * kv_heads;
+    if (threads > multiply_adds / MIN_WORK_PER_THREAD) threads = (int)(multiply_adds / MIN_WORK_PER_THREAD);
+    if (threads > items) threads = items;
+    if (threads <= 1) {
+        Worker only = {.call = &c, .batch = batch, .first = 0, .step = 1};
+        run_worker(&only);
+        return only.status;
+    }
+    Worker workers[64];
+    pthread_t ids[64];
+    if (threads > 64) threads = 64;
+    int started = 1, status = 0;
+    for (int t = 0; t < threads; t++) workers[t] = (Worker){.call = &c, .batch = batch, .first = t, .step = threads};
+    for (int t = 1; t < threads; t++, started++)
+        if (pthread_create(&ids[t], NULL, run_worker, &workers[t]) != 0) break;
+    if (started < threads) /* the items of threads that did not start run here */
+        for (int t = started; t < threads; t++) workers[t].step = threads, run_worker(&workers[t]);
+    run_worker(&workers[0]);
+    for (int t = 1; t < started; t++) pthread_join(ids[t], NULL);
+    for (int t = 0; t < threads; t++) status |= workers[t].status;
+    return status;
+}

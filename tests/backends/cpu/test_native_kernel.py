@@ -1,0 +1,212 @@
+"""The CPU backend's compiled kernel (``hal.backends.cpu.native``) against hal's oracle (float64),
+through ``CpuAttention`` on pools whose unwritten rows hold NaN and inf; which batches it takes,
+and what serves when it cannot be built."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_cpu_attention import EXPENSIVE, assert_close, run_cpu_kernel
+
+from hal.backends.cpu import CpuBackend, native
+from hal.backends.cpu.attention import NATIVE_MAX_QUERY_ROWS
+from hal.metadata import build_metadata
+from hal.oracle import paged_oracle
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
+
+M = ForwardMode
+
+
+@contextlib.contextmanager
+def recorded_native_calls() -> Iterator[list[int]]:
+    """The compiled kernel's calls (their query rows), recorded; the library must have built here."""
+    assert native.available(), native.native_status()
+    calls: list[int] = []
+    original = native.paged_attention
+
+    def recorded(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return original(q, *args, **kwargs)
+
+    native.paged_attention = recorded
+    try:
+        yield calls
+    finally:
+        native.paged_attention = original
+
+
+@pytest.fixture
+def native_calls() -> Iterator[list[int]]:
+    with recorded_native_calls() as calls:
+        yield calls
+
+
+@st.composite
+def native_cases(draw: st.DrawFn):
+    """Chains of up to NATIVE_MAX_QUERY_ROWS rows per request, every mode that has them."""
+    mode = draw(st.sampled_from([M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]))
+    ps = draw(st.sampled_from([1, 2, 4, 16]))
+    b = draw(st.integers(1, 4))
+    if mode is M.EXTEND:
+        kv = draw(st.lists(st.integers(1, 40), min_size=b, max_size=b))
+        q = [draw(st.integers(0, min(n, NATIVE_MAX_QUERY_ROWS))) for n in kv]
+    else:
+        q_len = 1 if mode is M.DECODE else draw(st.integers(2, 6))
+        kv = draw(st.lists(st.integers(q_len, 40 + q_len), min_size=b, max_size=b))
+        q = [q_len] * b
+    window = draw(st.one_of(st.none(), st.integers(0, 6)))
+    hkv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3]))
+    layer = LayerSpec(
+        layer_id=draw(st.integers(0, 1)), num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=draw(st.sampled_from([4, 8, 32])),
+        v_head_dim=draw(st.sampled_from([4, 12, 32])), scaling=draw(st.floats(0.05, 1.0)), sliding_window=window,
+        has_sinks=draw(st.booleans()),
+    )
+    return dict(mode=mode, layer=layer, kv_lens=kv, q_lens=q, page_size=ps,
+                dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])), seed=draw(st.integers(0, 2**31 - 1)),
+                hybrid=window is not None and draw(st.booleans()), save_kv_cache=draw(st.booleans()))
+
+
+@EXPENSIVE
+@given(case=native_cases())
+def test_the_compiled_kernel_matches_the_oracle(case) -> None:
+    with recorded_native_calls() as native_calls:
+        out, expect = run_cpu_kernel(**case)
+    assert_close(out, expect, case["dtype"])
+    assert native_calls == [sum(case["q_lens"])]
+
+
+@pytest.mark.parametrize("mode, q_len", [(M.DECODE, 1), (M.TARGET_VERIFY, 4), (M.DRAFT_EXTEND_V2, NATIVE_MAX_QUERY_ROWS)])
+@pytest.mark.parametrize("window, sinks, hybrid", [(None, False, False), (None, True, False), (3, False, False), (3, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size, v_dim", [(1, 8), (4, 12), (16, 8)])
+def test_every_feature_and_dtype_matches_the_oracle(mode, q_len, window, sinks, hybrid, dtype, page_size, v_dim, native_calls) -> None:
+    layer = LayerSpec(1, 8, 2, 8, v_dim, scaling=8**-0.5, sliding_window=window, has_sinks=sinks)  # 4:1 GQA
+    out, expect = run_cpu_kernel(mode, layer, [q_len + 18, q_len + 3, q_len], [q_len] * 3, page_size=page_size, dtype=dtype,
+                                 seed=page_size * 7 + q_len, hybrid=hybrid)
+    assert_close(out, expect, dtype)
+    assert native_calls == [3 * q_len]
+
+
+def test_batches_past_its_rows_and_draft_trees_go_to_the_torch_kernel(native_calls) -> None:
+    layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5)
+    rows = NATIVE_MAX_QUERY_ROWS + 1
+    out, expect = run_cpu_kernel(M.EXTEND, layer, [rows + 5, 3], [rows, 1], page_size=4, dtype=torch.float32, seed=1)
+    assert_close(out, expect, torch.float32)
+    out, expect = run_cpu_kernel(M.TARGET_VERIFY, layer, [9, 4], [4, 4], page_size=4, dtype=torch.float32, seed=2,
+                                 tree_parents=[[-1, 0, 0, 1], [-1, 0, 1, 1]])
+    assert_close(out, expect, torch.float32)
+    assert native_calls == []
+
+
+def test_a_query_that_needs_gradients_goes_to_the_torch_kernel(native_calls) -> None:
+    backend = CpuBackend()
+    pool = backend.create_kv_pool(KVPoolSpec(1, 64, 4, 2, 8, 8, torch.float32))
+    kernel = backend.create_attention(pool)
+    layer = LayerSpec(0, 4, 2, 8, 8, 8**-0.5)
+    md = build_metadata(M.EXTEND, kv_lens=[5], q_lens=[5], page_table=[[1, 2]], out_cache_loc=list(range(4, 9)), pool=pool)
+    q = torch.randn(5, 4, 8, requires_grad=True)
+    out = kernel.forward(q, torch.randn(5, 2, 8), torch.randn(5, 2, 8), layer, kernel.plan(md))
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    assert native_calls == []
+    with torch.no_grad():
+        kernel.forward(q, torch.randn(5, 2, 8), torch.randn(5, 2, 8), layer, kernel.plan(md))
+    assert native_calls == [5]
+
+
+def test_a_nan_key_reaches_only_the_rows_that_see_it(native_calls) -> None:
+    """A verify block whose second row's key is NaN: row 0 is finite and the oracle's, every later
+    row NaN; and a NaN key outside a row's window (or past it) never reaches it."""
+    backend = CpuBackend()
+    pool = backend.create_kv_pool(KVPoolSpec(1, 128, 16, 2, 32, 32, torch.float32))
+    kernel = backend.create_attention(pool)
+    gen = torch.Generator().manual_seed(1)
+    for window in (None, 2):
+        layer = LayerSpec(0, 4, 2, 32, 32, 32**-0.5, sliding_window=window)
+        md = build_metadata(M.TARGET_VERIFY, kv_lens=[11], q_lens=[5], page_table=[[1, 2, 3]], out_cache_loc=list(range(22, 27)),
+                            pool=pool)
+        pool.k_buffer(0)[1, :6] = torch.randn(6, 2, 32, generator=gen)
+        pool.v_buffer(0)[1, :6] = torch.randn(6, 2, 32, generator=gen)
+        q, k, v = (torch.randn(5, h, 32, generator=gen) for h in (4, 2, 2))
+        k[1] = float("nan")
+        out = kernel.forward(q, k, v, layer, kernel.plan(md))
+        expect = paged_oracle(q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens,
+                              scaling=layer.scaling, sliding_window=window)
+        # the NaN key sits at position 7: rows at 6..10 see it from row 1 on, and on a window of 2 rows 1-3 only
+        sees = [False, True, True, True, True] if window is None else [False, True, True, True, False]
+        assert [bool(out[r].isnan().all()) for r in range(5)] == sees
+        assert all(bool(out[r].isfinite().all()) for r in range(5) if not sees[r])
+        torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert len(native_calls) == 2
+
+
+def test_a_call_split_across_threads_matches_the_oracle() -> None:
+    """Enough work (4 requests of 1500 keys, 8 heads of 128) that the kernel splits its (request,
+    KV head) items across two threads, each with its own scratch."""
+    assert native.available(), native.native_status()
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 400, 16, 2, 128, generator=gen).unbind(0)
+    table = (torch.randperm(399, generator=gen)[:384] + 1).view(4, 96).to(torch.int32)
+    kv_lens = torch.tensor([1500, 1200, 1536, 700], dtype=torch.int32)
+    cu_q_lens = torch.tensor([0, 1, 3, 4, 6], dtype=torch.int32)
+    q = torch.randn(6, 8, 128, generator=gen)
+    sinks = torch.randn(8, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = native.paged_attention(q, k_cache, v_cache, table, kv_lens, cu_q_lens, scaling=0.09, sliding_window=1000, sinks=sinks)
+    finally:
+        torch.set_num_threads(threads)
+    expect = paged_oracle(q, k_cache, v_cache, table, kv_lens, cu_q_lens, scaling=0.09, sliding_window=1000, sinks=sinks)
+    torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+
+
+FALLBACK_SCRIPT = """
+import torch
+from hal.backends.cpu import native
+from hal.backends.cpu.attention import CpuAttention
+from hal.metadata import build_metadata
+from hal.oracle import paged_oracle
+from hal.registry import get_backend
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
+
+backend = get_backend("cpu")
+pool = backend.create_kv_pool(KVPoolSpec(1, 64, 4, 2, 8, 8, torch.float32))
+kernel = backend.create_attention(pool)
+layer = LayerSpec(0, 4, 2, 8, 8, 8**-0.5)
+md = build_metadata(ForwardMode.DECODE, kv_lens=[6], q_lens=[1], page_table=[[2, 1]], out_cache_loc=[5], pool=pool)
+pool.k_buffer(0).normal_(), pool.v_buffer(0).normal_()
+q, k, v = torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+out = kernel.forward(q, k, v, layer, kernel.plan(md))
+expect = paged_oracle(q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling)
+torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+print(native.available())
+print(backend.probe().reason)
+"""
+
+
+@pytest.mark.parametrize("environment, reason", [
+    ({"HAL_CPU_NATIVE": "0"}, "off: HAL_CPU_NATIVE=0"),
+    ({"CC": "no-such-compiler"}, "unavailable: no C compiler ('no-such-compiler' is not on PATH; set CC)"),
+    ({"CC": "false"}, "unavailable: false failed (1)"),
+    ({}, "in use: "),
+])
+def test_without_the_library_the_torch_kernel_serves_and_says_why(environment, reason, tmp_path) -> None:
+    """In a fresh process with its own cache: an off switch, no compiler and a failing build each
+    leave the torch kernel serving (the oracle's output) and ``probe`` naming why; a build lands
+    in ``HAL_CACHE_DIR``."""
+    env = {**os.environ, "HAL_CACHE_DIR": str(tmp_path), **environment}
+    run = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    available, probe = run.stdout.strip().splitlines()
+    assert available == str(not environment)
+    assert probe.startswith(f"torch; compiled attention {reason}")
+    assert [p.suffix for p in tmp_path.iterdir()] == ([".so"] if not environment else [])
