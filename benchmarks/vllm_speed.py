@@ -8,7 +8,8 @@ Random Qwen3 checkpoints saved by transformers, 2 layers each: ``small`` (4 quer
 32) and ``gqa8`` (16 query / 2 KV heads of 128: 8:1 GQA at head dim 128); 4 prompts of each length,
 64 new tokens each, greedy. Prints hal's speed over CPU_ATTN's (> 1: hal is faster), the median of
 the repeats and their range, and each backend's attention time inside the engine, from its last
-repeat: the metadata build per step (vLLM's builder) and one layer's call (KV write and attention).
+repeat: the metadata build per step (vLLM's builder) and one layer's call (KV write and attention),
+averaged apart over decode steps and over the other steps (the prefill).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def checkpoint(name: str, directory: Path) -> Path:
 
 
 def attention_cells(timing: dict[str, Any]) -> str:
-    """``build ms/step | layer call ms`` from one engine run's ``attention_time``."""
+    """``build ms/step | decode-step layer call ms | prefill-step layer call ms`` from one engine
+    run's ``attention_time``."""
     build = timing["build_s"] / max(timing["builds"], 1) * 1e3
-    layer = timing["forward_s"] / max(timing["forwards"], 1) * 1e3
-    return f"{build:.3f} | {layer:.3f}"
+    decode = timing["decode_forward_s"] / max(timing["decode_forwards"], 1) * 1e3
+    other = timing["other_forward_s"] / max(timing["other_forwards"], 1) * 1e3
+    return f"{build:.3f} | {decode:.3f} | {other:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     directory = Path(tempfile.mkdtemp())
     rng = random.Random(0)
-    print("| model | prompt | batch | hal / CPU_ATTN speed, median (range) | hal build ms/step | hal layer call ms "
-          "| CPU_ATTN build ms/step | CPU_ATTN layer call ms | same tokens |\n|---|---|---|---|---|---|---|---|---|")
+    print("| model | prompt | batch | hal / CPU_ATTN speed, median (range) | hal build ms/step | hal layer call ms, decode "
+          "| hal layer call ms, prefill | CPU_ATTN build ms/step | CPU_ATTN layer call ms, decode | CPU_ATTN layer call ms, "
+          "prefill | same tokens |\n|---|---|---|---|---|---|---|---|---|---|---|")
     all_same = True
     for name in args.models:
         model = checkpoint(name, directory)

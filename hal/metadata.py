@@ -246,12 +246,14 @@ def build_metadata(
     if isinstance(out_cache_loc, torch.Tensor):
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
-        loc = host_copy(out_cache_loc, "build_metadata: out_cache_loc").reshape(-1).to(torch.int64)
+        if out_cache_loc.is_meta:
+            host_copy(out_cache_loc, "build_metadata: out_cache_loc")  # refuses it by name
+        loc = out_cache_loc.reshape(-1).to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
     else:
         loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
-    kv_t = torch.tensor(kv, dtype=torch.int32)
-    q_t = torch.tensor(q, dtype=torch.int32)
-    cu = torch.tensor([0, *itertools.accumulate(q)], dtype=torch.int32)
+    b = len(kv)
+    lengths = torch.tensor([*kv, *q, 0, *itertools.accumulate(q)], dtype=torch.int32)  # one host tensor, three views
+    kv_t, q_t, cu = lengths[:b], lengths[b : 2 * b], lengths[2 * b :]
     total = sum(q)
     tree_host = None
     if tree_mask is not None:
@@ -321,22 +323,27 @@ def _table_from_tensor(
 ) -> torch.Tensor:
     """The int32 block table ``[B, width]`` from a 2-D integer tensor, checked with tensor ops
     (every row holds ``pages.shape[1]`` entries, zeros past a request's own pages)."""
-    pages = host_copy(pages, "build_metadata: page_table")
-    strict_ints(pages[:0], "build_metadata: page_table[0]")  # the dtype check, no elements
+    if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
+        raise SpecError(f"build_metadata: page_table[0] must hold integers, got a {pages.dtype} tensor")
+    if pages.is_meta:
+        host_copy(pages, "build_metadata: page_table")  # refuses it by name
     if pages.shape[0] != len(kv):
         raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")
+    pages = pages.cpu()  # the tensor itself when it is on the host: the table below is a copy
     if pages.numel():
-        bad = (pages < 0) if last_page is None else ((pages < 0) | (pages > last_page))
-        if bool(bad.any()):
+        lo, hi = (int(x) for x in torch.aminmax(pages))  # one op in the common case; the message below names the row
+        if lo < 0 or (last_page is not None and hi > last_page):
+            bad = (pages < 0) if last_page is None else ((pages < 0) | (pages > last_page))
             row = int(bad.any(1).nonzero()[0])
             raise SpecError(_bad_page_message(row, pages[row][bad[row]].tolist(), last_page))
     short = [i for i, n in enumerate(need) if pages.shape[1] < n]
     if short:
         i = short[0]
         raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {pages.shape[1]} pages of {page_size}")
+    if pages.shape[1] >= width:  # an engine's table is as wide as its longest request can grow
+        return pages[:, :width].to(torch.int32, memory_format=torch.contiguous_format, copy=True)  # the engine's changes
     table = torch.zeros((len(kv), width), dtype=torch.int32)
-    used = min(width, pages.shape[1])
-    table[:, :used] = pages[:, :used]
+    table[:, : pages.shape[1]] = pages
     return table
 
 

@@ -132,21 +132,25 @@ def paged_attention(
     assert _library is not None, "paged_attention called without available()"
     t, hq, dk = q.shape
     _, page_size, hkv, dv = v_cache.shape
-    dtype = _DTYPE_CODES[q.dtype]
-    assert k_cache.dtype == v_cache.dtype == q.dtype and q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1
+    q_strides, k_strides, v_strides = q.stride(), k_cache.stride(), v_cache.stride()
+    assert k_cache.dtype == v_cache.dtype == q.dtype and q_strides[2] == k_strides[3] == v_strides[3] == 1
     assert block_table.dtype == kv_lens.dtype == cu_q_lens.dtype == torch.int32 and block_table.stride(1) == 1
+    # fp32 and bf16 rows are written by the kernel; fp16 ones converted from fp32 here
+    out_dtype = q.dtype if q.dtype != torch.float16 else torch.float32
+    out = torch.empty((t, hq, dv), dtype=out_dtype)
+    # held in locals while the kernel runs: a pointer into a temporary would outlive its tensor
     kv_lens, cu_q_lens = kv_lens.contiguous(), cu_q_lens.contiguous()
     sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()
-    out = torch.empty((t, hq, dv), dtype=torch.float32)
     status = _library.hal_paged_attention(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        dtype, page_size, hq, hkv, dk, dv,
-        block_table.data_ptr(), block_table.stride(0), kv_lens.data_ptr(), cu_q_lens.data_ptr(), kv_lens.shape[0],
-        scaling, -1 if sliding_window is None else sliding_window, None if sink_row is None else sink_row.data_ptr(),
-        out.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(), q_strides[0], q_strides[1],
+        k_cache.data_ptr(), k_strides[0], k_strides[1], k_strides[2],
+        v_cache.data_ptr(), v_strides[0], v_strides[1], v_strides[2],
+        _DTYPE_CODES[q.dtype], page_size, hq, hkv, dk, dv,
+        block_table.data_ptr(), block_table.stride(0), kv_lens.data_ptr(), cu_q_lens.data_ptr(),
+        kv_lens.shape[0], scaling, -1 if sliding_window is None else sliding_window,
+        None if sink_row is None else sink_row.data_ptr(),
+        out.data_ptr(), _DTYPE_CODES[out_dtype],
     )
     if status != 0:
         raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if out_dtype == q.dtype else out.to(q.dtype)

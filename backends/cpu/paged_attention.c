@@ -9,15 +9,11 @@
  * NaN there cannot reach it. Plain C11: no torch headers, so the build takes about a second. */
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 enum { HAL_F32 = 0, HAL_BF16 = 1, HAL_F16 = 2 };
-
-/* About 200 us of one core's multiply-adds: below this a second thread costs more than it saves. */
-#define MIN_WORK_PER_THREAD 2e6
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -74,6 +70,14 @@ static inline float exp_nonpositive(float x) {
     return x != x ? x : p * scale;
 }
 
+/* fp32 -> bf16, rounding to nearest even as torch does; NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 static inline size_t element_size(int dtype) { return dtype == HAL_F32 ? 4 : 2; }
 
 typedef struct {
@@ -85,7 +89,8 @@ typedef struct {
     float scaling;
     int window;
     const float *sinks;
-    float *out;
+    void *out;
+    int out_dtype;
 } Call;
 
 typedef struct {
@@ -191,30 +196,19 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
             }
             j += run;
         }
-        for (int g = 0; g < group; g++)
-            memcpy(c->out + (token * c->q_heads + h * group + g) * (int64_t)v_dim, s->acc + g * v_dim, sizeof(float) * (size_t)v_dim);
+        const int64_t first = (token * c->q_heads + h * group) * (int64_t)v_dim;
+        if (c->out_dtype == HAL_BF16) {
+            uint16_t *out = (uint16_t *)c->out + first;
+            for (int e = 0; e < group * v_dim; e++) out[e] = float_to_bf16(s->acc[e]);
+        } else {
+            memcpy((float *)c->out + first, s->acc, sizeof(float) * (size_t)group * (size_t)v_dim);
+        }
     }
 }
 
-typedef struct {
-    const Call *call;
-    int batch, first, step, status;
-} Worker;
-
-/* Work items (request, KV head) first, first + step, ... of the call's batch * kv_heads. */
-static void *run_worker(void *arg) {
-    Worker *w = arg;
-    Scratch s;
-    w->status = scratch_alloc(w->call, &s);
-    if (w->status == 0)
-        for (int item = w->first; item < w->batch * w->call->kv_heads; item += w->step)
-            attend(w->call, item / w->call->kv_heads, item % w->call->kv_heads, &s);
-    scratch_free(&s);
-    return NULL;
-}
-
-/* Returns 0, or -1 when scratch memory or a thread could not be had. threads > 1 splits the
- * (request, KV head) items across that many threads (the caller decides when that pays). */
+/* Returns 0, or -1 when scratch memory could not be had (nothing written then). One thread: inside
+ * an engine, torch's OpenMP workers spin on the other cores between ops, and a second thread of
+ * ours there was measured slower than none (vLLM, 16 query heads of 128 at 900 keys). */
 int hal_paged_attention(
     const void *q, int64_t q_stride_token, int64_t q_stride_head, /* [T, Hq, Dk], unit stride in Dk */
     const void *k_cache, int64_t k_stride_page, int64_t k_stride_slot, int64_t k_stride_head,
@@ -222,40 +216,24 @@ int hal_paged_attention(
     int dtype, int page_size, int q_heads, int kv_heads, int qk_dim, int v_dim,
     const int32_t *block_table, int64_t table_stride, const int32_t *kv_lens, const int32_t *cu_q_lens, int batch,
     float scaling, int window, const float *sinks, /* [Hq] fp32, or NULL */
-    float *out, /* [T, Hq, Dv] fp32, contiguous */
-    int threads) {
+    void *out, int out_dtype /* [T, Hq, Dv] contiguous, fp32 or bf16 */) {
     Call c = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .q_stride_token = q_stride_token, .q_stride_head = q_stride_head,
         .k_stride_page = k_stride_page, .k_stride_slot = k_stride_slot, .k_stride_head = k_stride_head,
         .v_stride_page = v_stride_page, .v_stride_slot = v_stride_slot, .v_stride_head = v_stride_head,
         .dtype = dtype, .page_size = page_size, .q_heads = q_heads, .kv_heads = kv_heads, .qk_dim = qk_dim, .v_dim = v_dim,
         .group = q_heads / kv_heads, .max_keys = 1, .block_table = block_table, .kv_lens = kv_lens, .cu_q_lens = cu_q_lens,
-        .table_stride = table_stride, .scaling = scaling, .window = window, .sinks = sinks, .out = out,
+        .table_stride = table_stride, .scaling = scaling, .window = window, .sinks = sinks, .out = out, .out_dtype = out_dtype,
     };
-    double multiply_adds = 0.0; /* multiply-adds: a thread costs tens of microseconds to start, so only big calls split */
-    for (int b = 0; b < batch; b++) {
+    for (int b = 0; b < batch; b++)
         if (kv_lens[b] > c.max_keys) c.max_keys = kv_lens[b];
-        multiply_adds += (double)(cu_q_lens[b + 1] - cu_q_lens[b]) * kv_lens[b] * q_heads * (qk_dim + v_dim);
+    Scratch scratch;
+    if (scratch_alloc(&c, &scratch) != 0) {
+        scratch_free(&scratch);
+        return -1;
     }
-    const int items = batch * kv_heads;
-    if (threads > multiply_adds / MIN_WORK_PER_THREAD) threads = (int)(multiply_adds / MIN_WORK_PER_THREAD);
-    if (threads > items) threads = items;
-    if (threads <= 1) {
-        Worker only = {.call = &c, .batch = batch, .first = 0, .step = 1};
-        run_worker(&only);
-        return only.status;
-    }
-    Worker workers[64];
-    pthread_t ids[64];
-    if (threads > 64) threads = 64;
-    int started = 1, status = 0;
-    for (int t = 0; t < threads; t++) workers[t] = (Worker){.call = &c, .batch = batch, .first = t, .step = threads};
-    for (int t = 1; t < threads; t++, started++)
-        if (pthread_create(&ids[t], NULL, run_worker, &workers[t]) != 0) break;
-    if (started < threads) /* the items of threads that did not start run here */
-        for (int t = started; t < threads; t++) workers[t].step = threads, run_worker(&workers[t]);
-    run_worker(&workers[0]);
-    for (int t = 1; t < started; t++) pthread_join(ids[t], NULL);
-    for (int t = 0; t < threads; t++) status |= workers[t].status;
-    return status;
+    for (int b = 0; b < batch; b++)
+        for (int h = 0; h < kv_heads; h++) attend(&c, b, h, &scratch);
+    scratch_free(&scratch);
+    return 0;
 }

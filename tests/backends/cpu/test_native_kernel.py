@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from test_cpu_attention import EXPENSIVE, assert_close, run_cpu_kernel
 
 from hal.backends.cpu import CpuBackend, native
-from hal.backends.cpu.attention import NATIVE_MAX_QUERY_ROWS
+from hal.backends.cpu import attention as cpu_attention
+from hal.backends.cpu.attention import NATIVE_MAX_QUERY_ROWS, NATIVE_MAX_ROW_KEY_PAIRS
 from hal.metadata import build_metadata
 from hal.oracle import paged_oracle
 from hal.spec import ForwardMode, KVPoolSpec, LayerSpec
@@ -51,13 +52,14 @@ def native_calls() -> Iterator[list[int]]:
 
 @st.composite
 def native_cases(draw: st.DrawFn):
-    """Chains of up to NATIVE_MAX_QUERY_ROWS rows per request, every mode that has them."""
+    """Chains in every mode: prompts of up to 40 tokens (below NATIVE_MAX_ROW_KEY_PAIRS), and
+    verify and draft blocks of up to 6 rows per request."""
     mode = draw(st.sampled_from([M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.DRAFT_EXTEND_V2]))
     ps = draw(st.sampled_from([1, 2, 4, 16]))
     b = draw(st.integers(1, 4))
     if mode is M.EXTEND:
         kv = draw(st.lists(st.integers(1, 40), min_size=b, max_size=b))
-        q = [draw(st.integers(0, min(n, NATIVE_MAX_QUERY_ROWS))) for n in kv]
+        q = [draw(st.integers(0, n)) for n in kv]
     else:
         q_len = 1 if mode is M.DECODE else draw(st.integers(2, 6))
         kv = draw(st.lists(st.integers(q_len, 40 + q_len), min_size=b, max_size=b))
@@ -95,15 +97,20 @@ def test_every_feature_and_dtype_matches_the_oracle(mode, q_len, window, sinks, 
     assert native_calls == [3 * q_len]
 
 
-def test_batches_past_its_rows_and_draft_trees_go_to_the_torch_kernel(native_calls) -> None:
+def test_short_prompts_take_it_and_long_ones_and_draft_trees_go_to_the_torch_kernel(native_calls, monkeypatch) -> None:
     layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5)
-    rows = NATIVE_MAX_QUERY_ROWS + 1
+    rows = NATIVE_MAX_QUERY_ROWS + 1  # past the rows of a decode-sized batch, within the pairs of a short prompt
+    assert rows * (rows + 5) <= NATIVE_MAX_ROW_KEY_PAIRS
+    out, expect = run_cpu_kernel(M.EXTEND, layer, [rows + 5, 3], [rows, 1], page_size=4, dtype=torch.float32, seed=1)
+    assert_close(out, expect, torch.float32)
+    assert native_calls == [rows + 1]
+    monkeypatch.setattr(cpu_attention, "NATIVE_MAX_ROW_KEY_PAIRS", rows * (rows + 5) - 1)  # a prompt past both bounds
     out, expect = run_cpu_kernel(M.EXTEND, layer, [rows + 5, 3], [rows, 1], page_size=4, dtype=torch.float32, seed=1)
     assert_close(out, expect, torch.float32)
     out, expect = run_cpu_kernel(M.TARGET_VERIFY, layer, [9, 4], [4, 4], page_size=4, dtype=torch.float32, seed=2,
                                  tree_parents=[[-1, 0, 0, 1], [-1, 0, 1, 1]])
     assert_close(out, expect, torch.float32)
-    assert native_calls == []
+    assert native_calls == [rows + 1]
 
 
 def test_a_query_that_needs_gradients_goes_to_the_torch_kernel(native_calls) -> None:
@@ -148,9 +155,9 @@ def test_a_nan_key_reaches_only_the_rows_that_see_it(native_calls) -> None:
     assert len(native_calls) == 2
 
 
-def test_a_call_split_across_threads_matches_the_oracle() -> None:
-    """Enough work (4 requests of 1500 keys, 8 heads of 128) that the kernel splits its (request,
-    KV head) items across two threads, each with its own scratch."""
+def test_long_contexts_with_a_window_and_sinks_match_the_oracle() -> None:
+    """Requests of 700 to 1536 keys, read on pages of 16 in a shuffled order, a window of 1000 keys,
+    sinks, 4:1 GQA at head dim 128: the kernel called directly, as the CPU kernel calls it."""
     assert native.available(), native.native_status()
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(2, 400, 16, 2, 128, generator=gen).unbind(0)
@@ -159,12 +166,7 @@ def test_a_call_split_across_threads_matches_the_oracle() -> None:
     cu_q_lens = torch.tensor([0, 1, 3, 4, 6], dtype=torch.int32)
     q = torch.randn(6, 8, 128, generator=gen)
     sinks = torch.randn(8, generator=gen)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        out = native.paged_attention(q, k_cache, v_cache, table, kv_lens, cu_q_lens, scaling=0.09, sliding_window=1000, sinks=sinks)
-    finally:
-        torch.set_num_threads(threads)
+    out = native.paged_attention(q, k_cache, v_cache, table, kv_lens, cu_q_lens, scaling=0.09, sliding_window=1000, sinks=sinks)
     expect = paged_oracle(q, k_cache, v_cache, table, kv_lens, cu_q_lens, scaling=0.09, sliding_window=1000, sinks=sinks)
     torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
 
@@ -210,3 +212,26 @@ def test_without_the_library_the_torch_kernel_serves_and_says_why(environment, r
     assert available == str(not environment)
     assert probe.startswith(f"torch; compiled attention {reason}")
     assert [p.suffix for p in tmp_path.iterdir()] == ([".so"] if not environment else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sinks_in_the_models_dtype_match_the_oracle(dtype, native_calls) -> None:
+    """Engines hand sinks in the model's dtype: the kernel reads an fp32 copy of them, kept alive
+    while it runs (freed early, its memory is reused by the next allocation and the sinks are noise)."""
+    backend = CpuBackend()
+    pool = backend.create_kv_pool(KVPoolSpec(1, 256, 16, 2, 32, 32, dtype))
+    kernel = backend.create_attention(pool)
+    layer = LayerSpec(0, 8, 2, 32, 32, 32**-0.5, has_sinks=True)
+    gen = torch.Generator().manual_seed(5)
+    pool.k_buffer(0).copy_(torch.randn(pool.k_buffer(0).shape, generator=gen))
+    pool.v_buffer(0).copy_(torch.randn(pool.v_buffer(0).shape, generator=gen))
+    sinks = (torch.randn(8, generator=gen) * 3).to(dtype)
+    md = build_metadata(M.DECODE, kv_lens=[40, 9, 70], q_lens=[1, 1, 1], page_table=[[3, 1, 7], [2], [4, 5, 6, 8, 9]],
+                        out_cache_loc=[7 * 16 + 7, 2 * 16 + 8, 9 * 16 + 5], pool=pool)
+    q, k, v = (torch.randn(3, h, 32, generator=gen).to(dtype) for h in (8, 2, 2))
+    for _ in range(3):  # allocations between calls, as in a model
+        out = kernel.forward(q, k, v, layer, kernel.plan(md), sinks=sinks)
+        expect = paged_oracle(q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens,
+                              scaling=layer.scaling, sinks=sinks)
+        assert_close(out, expect, dtype)
+    assert native_calls == [3, 3, 3]

@@ -94,29 +94,38 @@ def main(request: dict) -> dict:
 
 def time_attention_backend() -> dict[str, float]:
     """Wrap the attention backend's ``build`` (per step) and layer ``forward`` (per layer call) with
-    timers, hal's under hal's platform, CPU_ATTN's otherwise; the totals fill in as the engine runs."""
+    timers, hal's under hal's platform, CPU_ATTN's otherwise; the totals fill in as the engine runs.
+    Layer calls are counted apart for decode steps (one query row per request) and the others
+    (prefills, mixed steps), by the step the last build was for."""
     if os.environ.get("HAL_VLLM_PLATFORM") == "1":
         from hal.integrations.vllm.attention import HalAttentionImpl as Impl
         from hal.integrations.vllm.attention import HalMetadataBuilder as Builder
     else:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder as Builder
-    totals = {"build_s": 0.0, "builds": 0, "forward_s": 0.0, "forwards": 0}
+    totals = {"build_s": 0.0, "builds": 0, "decode_forward_s": 0.0, "decode_forwards": 0, "other_forward_s": 0.0,
+              "other_forwards": 0}
+    step = {"kind": "other"}
+    build, forward = Builder.build, Impl.forward
 
-    def timed(cls: type, name: str, what: str) -> None:
-        inner = getattr(cls, name)
+    def timed_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        result = build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        totals["build_s"] += time.perf_counter() - start
+        totals["builds"] += 1
+        decode = common_attn_metadata.num_actual_tokens == common_attn_metadata.num_reqs
+        step["kind"] = "decode" if decode else "other"
+        return result
 
-        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            start = time.perf_counter()
-            result = inner(*args, **kwargs)
-            totals[f"{what}_s"] += time.perf_counter() - start
-            totals[f"{what}s"] += 1
-            return result
+    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        result = forward(*args, **kwargs)
+        totals[f"{step['kind']}_forward_s"] += time.perf_counter() - start
+        totals[f"{step['kind']}_forwards"] += 1
+        return result
 
-        setattr(cls, name, wrapper)
-
-    timed(Builder, "build", "build")
-    timed(Impl, "forward", "forward")
+    Builder.build = timed_build
+    Impl.forward = timed_forward
     return totals
 
 
