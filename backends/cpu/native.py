@@ -6,7 +6,9 @@ and the pure-torch kernel spends about a hundred on op dispatch and index bookke
 The C file includes no torch header, so it builds in about a second with any C11 compiler, at
 first use rather than at install: ``pip install`` stays pure Python, and a machine with no
 compiler (or ``HAL_CPU_NATIVE=0``) runs the pure-torch kernel, which serves every batch; why the
-compiled one is not in use is ``native_status()``, which ``hal info`` prints.
+compiled one is not in use is ``native_status()``, which ``hal info`` prints. It is built with
+OpenMP where the compiler has it, and then splits a large call across torch's own worker threads
+(the libgomp torch loaded), never threads of its own beside them.
 
 The build lands in ``$HAL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/hal``, else ``~/.cache/hal``)
 under a name hashing the source, the flags, the compiler and the CPU's features, written to a
@@ -55,10 +57,10 @@ def _cpu_features() -> str:
         return ""
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), platform.machine().encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), platform.machine().encode(),
                                      _cpu_features().encode()])).hexdigest()[:16]
     target = cache_dir() / f"paged_attention-{key}.so"
     if target.exists():
@@ -66,7 +68,7 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
+        result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
@@ -83,8 +85,13 @@ def _load() -> None:
     if shutil.which(compiler) is None:
         _status = f"unavailable: no C compiler ({compiler!r} is not on PATH; set CC)"
         return
+    threads = "torch's OpenMP threads"
     try:
-        path = _build(compiler)
+        try:  # OpenMP: libgomp.so.1, which torch has loaded already, so the kernel shares torch's worker pool
+            path = _build(compiler, (*_FLAGS, "-fopenmp"))
+        except (OSError, subprocess.SubprocessError) as error:
+            path = _build(compiler, _FLAGS)
+            threads = f"one thread (without OpenMP: {str(error).splitlines()[0]})"
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         _status = f"unavailable: {error}"
@@ -92,9 +99,9 @@ def _load() -> None:
     function = library.hal_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
-                         ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ptr, i32]
+                         ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ptr, i32, i32]
     function.restype = i32
-    _library, _status = library, f"in use: {path}"
+    _library, _status = library, f"in use: {path}, on {threads}"
 
 
 def native_status() -> str:
@@ -149,7 +156,7 @@ def paged_attention(
         block_table.data_ptr(), block_table.stride(0), kv_lens.data_ptr(), cu_q_lens.data_ptr(),
         kv_lens.shape[0], scaling, -1 if sliding_window is None else sliding_window,
         None if sink_row is None else sink_row.data_ptr(),
-        out.data_ptr(), _DTYPE_CODES[out_dtype],
+        out.data_ptr(), _DTYPE_CODES[out_dtype], torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")

@@ -206,9 +206,14 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be had (nothing written then). One thread: inside
- * an engine, torch's OpenMP workers spin on the other cores between ops, and a second thread of
- * ours there was measured slower than none (vLLM, 16 query heads of 128 at 900 keys). */
+/* Below this many multiply-adds a call runs on the calling thread alone: entering a parallel
+ * region costs microseconds even with the workers awake. */
+#define MIN_PARALLEL_WORK 2e5
+
+/* Returns 0, or -1 when scratch memory could not be had. The (request, KV head) items are split
+ * across up to `threads` threads of OpenMP: built with -fopenmp and loaded into a process that has
+ * torch's libgomp (the soname matches), that is torch's own worker pool, so an engine's threads
+ * are reused rather than joined by more. Built without OpenMP it runs on the calling thread. */
 int hal_paged_attention(
     const void *q, int64_t q_stride_token, int64_t q_stride_head, /* [T, Hq, Dk], unit stride in Dk */
     const void *k_cache, int64_t k_stride_page, int64_t k_stride_slot, int64_t k_stride_head,
@@ -216,7 +221,8 @@ int hal_paged_attention(
     int dtype, int page_size, int q_heads, int kv_heads, int qk_dim, int v_dim,
     const int32_t *block_table, int64_t table_stride, const int32_t *kv_lens, const int32_t *cu_q_lens, int batch,
     float scaling, int window, const float *sinks, /* [Hq] fp32, or NULL */
-    void *out, int out_dtype /* [T, Hq, Dv] contiguous, fp32 or bf16 */) {
+    void *out, int out_dtype, /* [T, Hq, Dv] contiguous, fp32 or bf16 */
+    int threads) {
     Call c = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .q_stride_token = q_stride_token, .q_stride_head = q_stride_head,
         .k_stride_page = k_stride_page, .k_stride_slot = k_stride_slot, .k_stride_head = k_stride_head,
@@ -225,15 +231,23 @@ int hal_paged_attention(
         .group = q_heads / kv_heads, .max_keys = 1, .block_table = block_table, .kv_lens = kv_lens, .cu_q_lens = cu_q_lens,
         .table_stride = table_stride, .scaling = scaling, .window = window, .sinks = sinks, .out = out, .out_dtype = out_dtype,
     };
-    for (int b = 0; b < batch; b++)
+    double multiply_adds = 0.0;
+    for (int b = 0; b < batch; b++) {
         if (kv_lens[b] > c.max_keys) c.max_keys = kv_lens[b];
-    Scratch scratch;
-    if (scratch_alloc(&c, &scratch) != 0) {
-        scratch_free(&scratch);
-        return -1;
+        multiply_adds += (double)(cu_q_lens[b + 1] - cu_q_lens[b]) * kv_lens[b] * q_heads * (qk_dim + v_dim);
     }
-    for (int b = 0; b < batch; b++)
-        for (int h = 0; h < kv_heads; h++) attend(&c, b, h, &scratch);
-    scratch_free(&scratch);
-    return 0;
+    const int items = batch * kv_heads;
+    if (threads < 1 || multiply_adds < MIN_PARALLEL_WORK) threads = 1;
+    if (threads > items) threads = items;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        Scratch scratch;
+        failed = scratch_alloc(&c, &scratch) != 0;
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++)
+            if (!failed) attend(&c, item / kv_heads, item % kv_heads, &scratch);
+        scratch_free(&scratch);
+    }
+    return failed ? -1 : 0;
 }

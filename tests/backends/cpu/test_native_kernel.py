@@ -4,6 +4,7 @@ and what serves when it cannot be built."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import subprocess
@@ -155,10 +156,13 @@ def test_a_nan_key_reaches_only_the_rows_that_see_it(native_calls) -> None:
     assert len(native_calls) == 2
 
 
-def test_long_contexts_with_a_window_and_sinks_match_the_oracle() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_contexts_with_a_window_and_sinks_match_the_oracle(threads, monkeypatch) -> None:
     """Requests of 700 to 1536 keys, read on pages of 16 in a shuffled order, a window of 1000 keys,
-    sinks, 4:1 GQA at head dim 128: the kernel called directly, as the CPU kernel calls it."""
+    sinks, 4:1 GQA at head dim 128: the kernel called directly, as the CPU kernel calls it, on one
+    thread and split across two of torch's threads (each with its own scratch rows)."""
     assert native.available(), native.native_status()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(2, 400, 16, 2, 128, generator=gen).unbind(0)
     table = (torch.randperm(399, generator=gen)[:384] + 1).view(4, 96).to(torch.int32)
@@ -235,3 +239,23 @@ def test_sinks_in_the_models_dtype_match_the_oracle(dtype, native_calls) -> None
                               scaling=layer.scaling, sinks=sinks)
         assert_close(out, expect, dtype)
     assert native_calls == [3, 3, 3]
+
+
+SHARED_POOL_SCRIPT = """
+import torch
+from hal.backends.cpu import native
+print(native.native_status())
+print(sorted({line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line}))
+print(torch.__file__)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mapped libraries from /proc")
+def test_with_openmp_the_kernel_uses_torchs_libgomp_not_a_second_runtime() -> None:
+    run = subprocess.run([sys.executable, "-c", SHARED_POOL_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    status, libraries, torch_file = run.stdout.strip().splitlines()
+    if "torch's OpenMP threads" not in status:
+        pytest.skip(f"built without OpenMP here: {status}")
+    gomp = ast.literal_eval(libraries)
+    assert len(gomp) == 1 and gomp[0].startswith(os.path.dirname(torch_file)), gomp
