@@ -94,18 +94,26 @@ typedef struct {
 } Call;
 
 typedef struct {
-    float *scores, *queries, *acc, *row;
+    float *scores, *queries, *acc, *rows; /* rows: four rows of row_len floats, for converted K/V rows */
+    int row_len;
 } Scratch;
 
 static int scratch_alloc(const Call *c, Scratch *s) {
     s->scores = malloc(sizeof(float) * (size_t)c->group * (size_t)c->max_keys);
     s->queries = malloc(sizeof(float) * (size_t)c->group * (size_t)c->qk_dim);
     s->acc = malloc(sizeof(float) * (size_t)c->group * (size_t)c->v_dim);
-    s->row = malloc(sizeof(float) * (size_t)(c->qk_dim > c->v_dim ? c->qk_dim : c->v_dim));
-    return s->scores && s->queries && s->acc && s->row ? 0 : -1;
+    s->row_len = c->qk_dim > c->v_dim ? c->qk_dim : c->v_dim;
+    s->rows = malloc(sizeof(float) * 4 * (size_t)s->row_len);
+    return s->scores && s->queries && s->acc && s->rows ? 0 : -1;
 }
 
-static void scratch_free(Scratch *s) { free(s->scores), free(s->queries), free(s->acc), free(s->row); }
+static void scratch_free(Scratch *s) { free(s->scores), free(s->queries), free(s->acc), free(s->rows); }
+
+/* Where key or value row j of a request (pages: its block-table row) sits for one head. */
+static inline const char *slot_row(const char *cache, const int32_t *pages, int page_size, int j, int64_t stride_page,
+                                   int64_t stride_slot, int64_t head_offset, size_t esize) {
+    return cache + ((int64_t)pages[j / page_size] * stride_page + (int64_t)(j % page_size) * stride_slot + head_offset) * esize;
+}
 
 /* Every query row of request b on KV head h: its group of query heads against the keys it sees. */
 static void attend(const Call *c, int b, int h, Scratch *s) {
@@ -120,39 +128,41 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
         const int n = p - lo + 1;
         for (int g = 0; g < group; g++) {
             const float *qr = row_f32(c->q + (token * c->q_stride_token + (int64_t)(h * group + g) * c->q_stride_head) * esize,
-                                      c->dtype, qk_dim, s->row);
+                                      c->dtype, qk_dim, s->rows);
             for (int d = 0; d < qk_dim; d++) s->queries[g * qk_dim + d] = qr[d] * c->scaling;
         }
-        /* keys lo..p, a run of consecutive slots per page */
-        for (int j = lo; j <= p;) {
-            const int64_t page = pages[j / page_size];
-            const int first = j % page_size, run = page_size - first < p - j + 1 ? page_size - first : p - j + 1;
-            const char *base = c->k_cache + (page * c->k_stride_page + first * c->k_stride_slot + h * c->k_stride_head) * esize;
-            int r = 0;
-            if (c->dtype == HAL_F32) /* four keys at a time: four independent sums per query head */
-                for (; r + 4 <= run; r += 4) {
-                    const float *k0 = (const float *)(base + r * c->k_stride_slot * esize), *k1 = k0 + c->k_stride_slot,
-                                *k2 = k1 + c->k_stride_slot, *k3 = k2 + c->k_stride_slot;
-                    for (int g = 0; g < group; g++) {
-                        const float *qg = s->queries + g * qk_dim;
-                        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+        /* keys lo..p, four at a time: four independent sums per query head; each key's page looked
+         * up on its own, so pages of one token (SGLang's) take this path too */
+        const int64_t k_head = h * c->k_stride_head, v_head = h * c->v_stride_head;
+        int j = lo;
+        for (; j + 3 <= p; j += 4) {
+            const float *k0 = row_f32(slot_row(c->k_cache, pages, page_size, j, c->k_stride_page, c->k_stride_slot, k_head, esize),
+                                      c->dtype, qk_dim, s->rows);
+            const float *k1 = row_f32(slot_row(c->k_cache, pages, page_size, j + 1, c->k_stride_page, c->k_stride_slot, k_head, esize),
+                                      c->dtype, qk_dim, s->rows + s->row_len);
+            const float *k2 = row_f32(slot_row(c->k_cache, pages, page_size, j + 2, c->k_stride_page, c->k_stride_slot, k_head, esize),
+                                      c->dtype, qk_dim, s->rows + 2 * s->row_len);
+            const float *k3 = row_f32(slot_row(c->k_cache, pages, page_size, j + 3, c->k_stride_page, c->k_stride_slot, k_head, esize),
+                                      c->dtype, qk_dim, s->rows + 3 * s->row_len);
+            for (int g = 0; g < group; g++) {
+                const float *qg = s->queries + g * qk_dim;
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
-                        for (int d = 0; d < qk_dim; d++) d0 += qg[d] * k0[d], d1 += qg[d] * k1[d], d2 += qg[d] * k2[d], d3 += qg[d] * k3[d];
-                        float *out = s->scores + (size_t)g * c->max_keys + (j - lo + r);
-                        out[0] = d0, out[1] = d1, out[2] = d2, out[3] = d3;
-                    }
-                }
-            for (; r < run; r++) {
-                const float *key = row_f32(base + r * c->k_stride_slot * esize, c->dtype, qk_dim, s->row);
-                for (int g = 0; g < group; g++) {
-                    const float *qg = s->queries + g * qk_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int d = 0; d < qk_dim; d++) dot += qg[d] * key[d];
-                    s->scores[(size_t)g * c->max_keys + (j - lo + r)] = dot;
-                }
+                for (int d = 0; d < qk_dim; d++) d0 += qg[d] * k0[d], d1 += qg[d] * k1[d], d2 += qg[d] * k2[d], d3 += qg[d] * k3[d];
+                float *out = s->scores + (size_t)g * c->max_keys + (j - lo);
+                out[0] = d0, out[1] = d1, out[2] = d2, out[3] = d3;
             }
-            j += run;
+        }
+        for (; j <= p; j++) {
+            const float *key = row_f32(slot_row(c->k_cache, pages, page_size, j, c->k_stride_page, c->k_stride_slot, k_head, esize),
+                                       c->dtype, qk_dim, s->rows);
+            for (int g = 0; g < group; g++) {
+                const float *qg = s->queries + g * qk_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < qk_dim; d++) dot += qg[d] * key[d];
+                s->scores[(size_t)g * c->max_keys + (j - lo)] = dot;
+            }
         }
         for (int g = 0; g < group; g++) {
             float *sg = s->scores + (size_t)g * c->max_keys;
@@ -168,33 +178,32 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
             for (int t = 0; t < n; t++) sg[t] *= inverse;
         }
         memset(s->acc, 0, sizeof(float) * (size_t)group * (size_t)v_dim);
-        for (int j = lo; j <= p;) {
-            const int64_t page = pages[j / page_size];
-            const int first = j % page_size, run = page_size - first < p - j + 1 ? page_size - first : p - j + 1;
-            const char *base = c->v_cache + (page * c->v_stride_page + first * c->v_stride_slot + h * c->v_stride_head) * esize;
-            int r = 0;
-            if (c->dtype == HAL_F32) /* four keys at a time: one pass over each accumulator row */
-                for (; r + 4 <= run; r += 4) {
-                    const float *v0 = (const float *)(base + r * c->v_stride_slot * esize), *v1 = v0 + c->v_stride_slot,
-                                *v2 = v1 + c->v_stride_slot, *v3 = v2 + c->v_stride_slot;
-                    for (int g = 0; g < group; g++) {
-                        const float *w = s->scores + (size_t)g * c->max_keys + (j - lo + r);
-                        const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-                        float *ag = s->acc + g * v_dim;
+        for (j = lo; j + 3 <= p; j += 4) { /* four keys at a time: one pass over each accumulator row */
+            const float *v0 = row_f32(slot_row(c->v_cache, pages, page_size, j, c->v_stride_page, c->v_stride_slot, v_head, esize),
+                                      c->dtype, v_dim, s->rows);
+            const float *v1 = row_f32(slot_row(c->v_cache, pages, page_size, j + 1, c->v_stride_page, c->v_stride_slot, v_head, esize),
+                                      c->dtype, v_dim, s->rows + s->row_len);
+            const float *v2 = row_f32(slot_row(c->v_cache, pages, page_size, j + 2, c->v_stride_page, c->v_stride_slot, v_head, esize),
+                                      c->dtype, v_dim, s->rows + 2 * s->row_len);
+            const float *v3 = row_f32(slot_row(c->v_cache, pages, page_size, j + 3, c->v_stride_page, c->v_stride_slot, v_head, esize),
+                                      c->dtype, v_dim, s->rows + 3 * s->row_len);
+            for (int g = 0; g < group; g++) {
+                const float *w = s->scores + (size_t)g * c->max_keys + (j - lo);
+                const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+                float *ag = s->acc + g * v_dim;
 #pragma omp simd
-                        for (int d = 0; d < v_dim; d++) ag[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
-                    }
-                }
-            for (; r < run; r++) {
-                const float *value = row_f32(base + r * c->v_stride_slot * esize, c->dtype, v_dim, s->row);
-                for (int g = 0; g < group; g++) {
-                    const float w = s->scores[(size_t)g * c->max_keys + (j - lo + r)];
-                    float *ag = s->acc + g * v_dim;
-#pragma omp simd
-                    for (int d = 0; d < v_dim; d++) ag[d] += w * value[d];
-                }
+                for (int d = 0; d < v_dim; d++) ag[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
             }
-            j += run;
+        }
+        for (; j <= p; j++) {
+            const float *value = row_f32(slot_row(c->v_cache, pages, page_size, j, c->v_stride_page, c->v_stride_slot, v_head, esize),
+                                         c->dtype, v_dim, s->rows);
+            for (int g = 0; g < group; g++) {
+                const float w = s->scores[(size_t)g * c->max_keys + (j - lo)];
+                float *ag = s->acc + g * v_dim;
+#pragma omp simd
+                for (int d = 0; d < v_dim; d++) ag[d] += w * value[d];
+            }
         }
         const int64_t first = (token * c->q_heads + h * group) * (int64_t)v_dim;
         if (c->out_dtype == HAL_BF16) {
