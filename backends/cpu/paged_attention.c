@@ -115,6 +115,14 @@ static inline const char *slot_row(const char *cache, const int32_t *pages, int 
     return cache + ((int64_t)pages[j / page_size] * stride_page + (int64_t)(j % page_size) * stride_slot + head_offset) * esize;
 }
 
+/* Rows j..j+3 (keys or values) of one head as fp32: in place, or converted into the scratch rows. */
+static inline void four_rows(const Call *c, const char *cache, int64_t stride_page, int64_t stride_slot, int64_t head_offset,
+                             const int32_t *pages, int j, int width, Scratch *s, const float *rows[4]) {
+    for (int r = 0; r < 4; r++)
+        rows[r] = row_f32(slot_row(cache, pages, c->page_size, j + r, stride_page, stride_slot, head_offset, element_size(c->dtype)),
+                          c->dtype, width, s->rows + r * s->row_len);
+}
+
 /* Every query row of request b on KV head h: its group of query heads against the keys it sees. */
 static void attend(const Call *c, int b, int h, Scratch *s) {
     const size_t esize = element_size(c->dtype);
@@ -136,14 +144,9 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
         const int64_t k_head = h * c->k_stride_head, v_head = h * c->v_stride_head;
         int j = lo;
         for (; j + 3 <= p; j += 4) {
-            const float *k0 = row_f32(slot_row(c->k_cache, pages, page_size, j, c->k_stride_page, c->k_stride_slot, k_head, esize),
-                                      c->dtype, qk_dim, s->rows);
-            const float *k1 = row_f32(slot_row(c->k_cache, pages, page_size, j + 1, c->k_stride_page, c->k_stride_slot, k_head, esize),
-                                      c->dtype, qk_dim, s->rows + s->row_len);
-            const float *k2 = row_f32(slot_row(c->k_cache, pages, page_size, j + 2, c->k_stride_page, c->k_stride_slot, k_head, esize),
-                                      c->dtype, qk_dim, s->rows + 2 * s->row_len);
-            const float *k3 = row_f32(slot_row(c->k_cache, pages, page_size, j + 3, c->k_stride_page, c->k_stride_slot, k_head, esize),
-                                      c->dtype, qk_dim, s->rows + 3 * s->row_len);
+            const float *k[4];
+            four_rows(c, c->k_cache, c->k_stride_page, c->k_stride_slot, k_head, pages, j, qk_dim, s, k);
+            const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
             for (int g = 0; g < group; g++) {
                 const float *qg = s->queries + g * qk_dim;
                 float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
@@ -179,14 +182,9 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
         }
         memset(s->acc, 0, sizeof(float) * (size_t)group * (size_t)v_dim);
         for (j = lo; j + 3 <= p; j += 4) { /* four keys at a time: one pass over each accumulator row */
-            const float *v0 = row_f32(slot_row(c->v_cache, pages, page_size, j, c->v_stride_page, c->v_stride_slot, v_head, esize),
-                                      c->dtype, v_dim, s->rows);
-            const float *v1 = row_f32(slot_row(c->v_cache, pages, page_size, j + 1, c->v_stride_page, c->v_stride_slot, v_head, esize),
-                                      c->dtype, v_dim, s->rows + s->row_len);
-            const float *v2 = row_f32(slot_row(c->v_cache, pages, page_size, j + 2, c->v_stride_page, c->v_stride_slot, v_head, esize),
-                                      c->dtype, v_dim, s->rows + 2 * s->row_len);
-            const float *v3 = row_f32(slot_row(c->v_cache, pages, page_size, j + 3, c->v_stride_page, c->v_stride_slot, v_head, esize),
-                                      c->dtype, v_dim, s->rows + 3 * s->row_len);
+            const float *v[4];
+            four_rows(c, c->v_cache, c->v_stride_page, c->v_stride_slot, v_head, pages, j, v_dim, s, v);
+            const float *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
             for (int g = 0; g < group; g++) {
                 const float *w = s->scores + (size_t)g * c->max_keys + (j - lo);
                 const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
