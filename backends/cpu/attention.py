@@ -1,5 +1,5 @@
-"""The CPU backend's kernel: the compiled kernel (``native``) for batches of few query rows per
-request, ``paged_attention`` (pure torch, with a gather workspace) for every other batch."""
+"""The CPU backend's kernel: the compiled kernel (``native``) for decode, verify and draft steps
+and short prompts, ``paged_attention`` (pure torch, with a gather workspace) for every other batch."""
 
 from __future__ import annotations
 
