@@ -51,7 +51,7 @@ class CpuAttention(AttentionKernelBase):
         table = self.block_table(layer, metadata)
         if plan.per_layer_kind("cpu-native", lambda: self._native_serves(plan)):
             k_cache, v_cache = self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id)
-            if k_cache.stride(3) == v_cache.stride(3) == 1 and not _needs_grad(q, k_cache, v_cache, sinks):
+            if native.reads_rows(q, k_cache, v_cache) and not _needs_grad(q, k_cache, v_cache, sinks):
                 return native.paged_attention(q, k_cache, v_cache, table, metadata.kv_lens, metadata.cu_q_lens,
                                               scaling=layer.scaling, sliding_window=layer.sliding_window, sinks=sinks)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
@@ -72,10 +72,12 @@ class CpuAttention(AttentionKernelBase):
 
     def _native_serves(self, plan: ForwardPlan) -> bool:
         """Whether the compiled kernel takes this forward: a chain (no tree) of at most
-        ``NATIVE_MAX_QUERY_ROWS`` rows per request or ``NATIVE_MAX_ROW_KEY_PAIRS`` in all, with the
-        library built (``native.native_status``)."""
+        ``NATIVE_MAX_QUERY_ROWS`` rows per request or ``NATIVE_MAX_ROW_KEY_PAIRS`` in all, whose
+        metadata it reads as it is, with the library built (``native.native_status``)."""
         metadata = plan.metadata
-        if metadata.tree_mask is not None or not native.available():
+        tables = [t for t in (metadata.block_table, metadata.swa_block_table) if t is not None]
+        if (metadata.tree_mask is not None or not native.available()
+                or not all(native.reads_lengths(t, metadata.kv_lens, metadata.cu_q_lens) for t in tables)):
             return False
         q_lens, kv_lens = metadata.q_lens_cpu, metadata.kv_lens_cpu
         return (max(q_lens, default=0) <= NATIVE_MAX_QUERY_ROWS

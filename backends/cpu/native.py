@@ -121,6 +121,19 @@ def available() -> bool:
     return _library is not None
 
 
+def reads_lengths(block_table: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: torch.Tensor) -> bool:
+    """Whether the kernel reads these metadata tensors as they are: int32, the table's rows of unit
+    stride (``build_metadata`` makes them so; a record an engine builds itself may not)."""
+    return block_table.dtype == kv_lens.dtype == cu_q_lens.dtype == torch.int32 and block_table.stride(-1) == 1
+
+
+def reads_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel reads q and the caches as they are: one dtype it knows, and a unit stride
+    along each head dim (the other strides are passed in)."""
+    return (q.dtype in _DTYPE_CODES and k_cache.dtype == v_cache.dtype == q.dtype
+            and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, Dk]
     k_cache: torch.Tensor,  # [pages + 1, page_size, Hkv, Dk]
@@ -134,14 +147,13 @@ def paged_attention(
     sinks: torch.Tensor | None,  # [Hq]
 ) -> torch.Tensor:
     """``hal.oracle.paged_oracle``'s result (chains only, no tree mask) from the compiled kernel, in
-    ``q``'s dtype. The caller checked the arguments (``validate_attention_call``); this checks only
-    what the C code relies on: the dtypes, a unit stride along each head dim, host memory."""
+    ``q``'s dtype. The caller checked the arguments (``validate_attention_call``) and that the kernel
+    reads them as they are (``reads_rows``, ``reads_lengths``)."""
     assert _library is not None, "paged_attention called without available()"
+    assert reads_rows(q, k_cache, v_cache) and reads_lengths(block_table, kv_lens, cu_q_lens)
     t, hq, dk = q.shape
     _, page_size, hkv, dv = v_cache.shape
     q_strides, k_strides, v_strides = q.stride(), k_cache.stride(), v_cache.stride()
-    assert k_cache.dtype == v_cache.dtype == q.dtype and q_strides[2] == k_strides[3] == v_strides[3] == 1
-    assert block_table.dtype == kv_lens.dtype == cu_q_lens.dtype == torch.int32 and block_table.stride(1) == 1
     # fp32 and bf16 rows are written by the kernel; fp16 ones converted from fp32 here
     out_dtype = q.dtype if q.dtype != torch.float16 else torch.float32
     out = torch.empty((t, hq, dv), dtype=out_dtype)

@@ -1,5 +1,5 @@
 /* The CPU backend's compiled paged attention for batches of few query rows per request (decode,
- * verify, draft steps): hal's masking rule read straight from the paged cache, one pass per
+ * verify, draft steps) and short prompts: hal's masking rule read straight from the paged cache, one pass per
  * request and KV head, with no gather and no per-op dispatch. Built and loaded by
  * hal.backends.cpu.native; held to hal.oracle like the pure-torch kernel.
  *
@@ -245,7 +245,7 @@ int hal_paged_attention(
     }
     const int items = batch * kv_heads;
     if (threads < 1 || multiply_adds < MIN_PARALLEL_WORK) threads = 1;
-    if (threads > items) threads = items;
+    if (threads > items) threads = items > 0 ? items : 1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {

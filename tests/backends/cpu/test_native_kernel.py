@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -112,6 +113,27 @@ def test_short_prompts_take_it_and_long_ones_and_draft_trees_go_to_the_torch_ker
                                  tree_parents=[[-1, 0, 0, 1], [-1, 0, 1, 1]])
     assert_close(out, expect, torch.float32)
     assert native_calls == [rows + 1]
+
+
+def test_what_it_cannot_read_as_it_is_goes_to_the_torch_kernel(native_calls) -> None:
+    """A query whose head dim is strided, and a record with int64 lengths (an engine's own, not
+    ``build_metadata``'s): the torch kernel serves both, with the oracle's output."""
+    backend = CpuBackend()
+    pool = backend.create_kv_pool(KVPoolSpec(1, 64, 4, 2, 8, 8, torch.float32))
+    kernel = backend.create_attention(pool)
+    layer = LayerSpec(0, 4, 2, 8, 8, 8**-0.5)
+    gen = torch.Generator().manual_seed(4)
+    pool.k_buffer(0).copy_(torch.randn(pool.k_buffer(0).shape, generator=gen))
+    pool.v_buffer(0).copy_(torch.randn(pool.v_buffer(0).shape, generator=gen))
+    md = build_metadata(M.DECODE, kv_lens=[6, 3], q_lens=[1, 1], page_table=[[2, 1], [3]], out_cache_loc=[5, 14], pool=pool)
+    wide_md = attrs.evolve(md, kv_lens=md.kv_lens.long(), q_lens=md.q_lens.long(), cu_q_lens=md.cu_q_lens.long())
+    k, v = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    strided_q = torch.randn(2, 4, 16, generator=gen)[..., ::2]
+    for q, metadata in ((strided_q, md), (strided_q.contiguous(), wide_md)):
+        out = kernel.forward(q, k, v, layer, kernel.plan(metadata))
+        expect = paged_oracle(q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling)
+        torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+    assert native_calls == []
 
 
 def test_a_query_that_needs_gradients_goes_to_the_torch_kernel(native_calls) -> None:
