@@ -26,7 +26,7 @@ import torch
 
 from hal.errors import KVLayoutError, SpecError
 from hal.graph import is_capturing
-from hal.spec import ForwardMode, KVPoolSpec, host_copy, int_at_least, strict_ints
+from hal.spec import ForwardMode, KVPoolSpec, check_integer_tensor, check_readable, host_copy, int_at_least, strict_ints
 from hal.tree import check_tree_mask, tree_depths
 
 
@@ -246,8 +246,7 @@ def build_metadata(
     if isinstance(out_cache_loc, torch.Tensor):
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
-        if out_cache_loc.is_meta:
-            host_copy(out_cache_loc, "build_metadata: out_cache_loc")  # refuses it by name
+        check_readable(out_cache_loc, "build_metadata: out_cache_loc")
         loc = out_cache_loc.reshape(-1).to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
     else:
         loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
@@ -323,10 +322,8 @@ def _table_from_tensor(
 ) -> torch.Tensor:
     """The int32 block table ``[B, width]`` from a 2-D integer tensor, checked with tensor ops
     (every row holds ``pages.shape[1]`` entries, zeros past a request's own pages)."""
-    if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
-        raise SpecError(f"build_metadata: page_table[0] must hold integers, got a {pages.dtype} tensor")
-    if pages.is_meta:
-        host_copy(pages, "build_metadata: page_table")  # refuses it by name
+    check_integer_tensor(pages, "build_metadata: page_table[0]")
+    check_readable(pages, "build_metadata: page_table")
     if pages.shape[0] != len(kv):
         raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")
     pages = pages.cpu()  # the tensor itself when it is on the host: the table below is a copy
@@ -348,11 +345,8 @@ def _table_from_tensor(
 
 
 def _page_rows(page_table: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int]]:
-    """Each request's page ids as a list of ints. A 2-D integer tensor converts in one ``tolist``
-    (its dtype checked once); anything else goes element by element through ``strict_ints``."""
-    if isinstance(page_table, torch.Tensor) and page_table.dim() == 2 and len(page_table):
-        strict_ints(page_table[:0], "build_metadata: page_table[0]")  # the dtype check, no elements
-        return page_table.tolist()  # type: ignore[no-any-return]
+    """Each request's page ids as a list of ints, row by row through ``strict_ints`` (a 2-D tensor
+    goes to ``_table_from_tensor`` instead)."""
     return [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
 
 

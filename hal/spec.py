@@ -106,19 +106,29 @@ def int_at_least(
     return number
 
 
-def host_copy(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    """A host copy of ``tensor``, whose values are read; a tensor that holds none (on the meta
-    device) is refused by name instead of failing inside the copy."""
+def check_readable(tensor: torch.Tensor, what: str) -> None:
+    """Refuse by name a tensor that holds no values to read (on the meta device), before an op
+    that reads them fails inside."""
     if tensor.device.type == "meta":
         raise SpecError(f"{what} is a tensor on the meta device (shape {tuple(tensor.shape)}): it holds no values to read")
+
+
+def check_integer_tensor(tensor: torch.Tensor, what: str) -> None:
+    """Refuse by name a tensor whose dtype holds no integers (bool, floating, complex)."""
+    if tensor.dtype == torch.bool or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        raise SpecError(f"{what} must hold integers, got a {tensor.dtype} tensor")
+
+
+def host_copy(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """A host copy of ``tensor``, whose values are read (``check_readable`` first)."""
+    check_readable(tensor, what)
     return tensor.detach().to("cpu", copy=True)
 
 
 def strict_ints(values: Any, what: str) -> tuple[int, ...]:
     """``values`` (a sequence, or an integer tensor) as a tuple of ints; see ``strict_int``."""
     if isinstance(values, torch.Tensor):
-        if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
-            raise SpecError(f"{what} must hold integers, got a {values.dtype} tensor")
+        check_integer_tensor(values, what)
         return tuple(int(v) for v in host_copy(values, what).reshape(-1).tolist())
     if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
         return tuple(values)  # the common case, checked at a glance (bools are not of type int)
