@@ -45,8 +45,13 @@ def make_mimo_mtp(directory: Path, steps: int) -> Path:
 
 
 def bench_mtp(args: argparse.Namespace) -> int:
-    """Multi-layer EAGLE against plain decoding inside sglang.Engine, both through hal."""
+    """Multi-layer EAGLE against plain decoding inside sglang.Engine, all through hal, without a
+    radix cache (each timed sample repeats the prompts; with no cache to hit, the prefill's draft
+    extend runs over each prompt's window tail: the patch in ``patches/``). A third engine runs
+    that draft extend over the whole prompt as upstream does (the test site's
+    ``HAL_SGLANG_WHOLE_PREFILL_DRAFT_EXTEND``): the before and after of that patch, side by side."""
     import json
+    import os
 
     import sglang
 
@@ -57,11 +62,13 @@ def bench_mtp(args: argparse.Namespace) -> int:
     config = json.loads((model / "config.json").read_text())
     spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1,
                 speculative_num_draft_tokens=steps + 1, speculative_draft_model_path=str(model))  # fmt: skip
+
     def start(name: str) -> Any:
+        os.environ["HAL_SGLANG_WHOLE_PREFILL_DRAFT_EXTEND"] = "1" if name == "mtp-whole" else "0"  # read as its processes start
         return sglang.Engine(
             model_path=str(model), device="cpu", attention_backend="hal", dtype="float32", skip_tokenizer_init=True,
-            disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, sleep_on_idle=True, json_model_override_args=mimo_rope_override(model),
-            **(spec if name == "mtp" else {}),
+            disable_cuda_graph=True, random_seed=0, max_total_tokens=8192, sleep_on_idle=True, disable_radix_cache=True,
+            json_model_override_args=mimo_rope_override(model), **(spec if name != "plain" else {}),
         )
 
     # The demo's short prompts (5, 8, 11, ... tokens), or random ones of each --prompt-lens length.
@@ -69,6 +76,7 @@ def bench_mtp(args: argparse.Namespace) -> int:
     batches = [("demo", make_prompts(args.batch, config["vocab_size"], 0))] if args.prompt_lens is None else [
         (str(n), torch.randint(1, config["vocab_size"], (args.batch, n), generator=gen).tolist()) for n in args.prompt_lens]
     params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+    names = ("mtp", "mtp-whole", "plain")
     # The accept length is read while the speculative engine is the only one: SGLang's front end
     # computes it from process-wide settings, which the second engine replaces.
     engines = {"mtp": start("mtp")}
@@ -79,27 +87,34 @@ def bench_mtp(args: argparse.Namespace) -> int:
             out = engines["mtp"].generate(input_ids=prompts, sampling_params=params)
             verifies = sum(o["meta_info"]["spec_verify_ct"] for o in out)
             accepts.append((sum(len(o["output_ids"]) - 1 for o in out) / verifies, [o["output_ids"] for o in out]))
-        engines["plain"] = start("plain")
+        engines["mtp-whole"], engines["plain"] = start("mtp-whole"), start("plain")
         for (label, prompts), (accept, mtp_tokens) in zip(batches, accepts):
-            plain_tokens = [o["output_ids"] for o in engines["plain"].generate(input_ids=prompts, sampling_params=params)]
-            same = mtp_tokens == plain_tokens
+            same = all(mtp_tokens == [o["output_ids"] for o in engines[name].generate(input_ids=prompts, sampling_params=params)]
+                       for name in ("mtp-whole", "plain"))
             all_same &= same
-            rates: dict[str, list[float]] = {"mtp": [], "plain": []}
+            rates: dict[str, list[float]] = {name: [] for name in names}
             for i in range(args.repeats):
-                for name in ("mtp", "plain") if i % 2 == 0 else ("plain", "mtp"):
+                for name in names[i % 3:] + names[: i % 3]:  # each engine first in turn
                     begin = time.perf_counter()
                     engines[name].generate(input_ids=prompts, sampling_params=params)
                     rates[name].append(args.batch * args.new_tokens / (time.perf_counter() - begin))
-            ratios = [m / p for m, p in zip(rates["mtp"], rates["plain"])]
-            rows.append(f"| {label} | {statistics.median(rates['mtp']):.1f} | {statistics.median(rates['plain']):.1f} "
-                        f"| {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} | {accept:.2f} of {steps + 1} "
+
+            def ratio(a: str, b: str) -> str:
+                ratios = [x / y for x, y in zip(rates[a], rates[b])]
+                return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+            rows.append(f"| {label} | {' | '.join(f'{statistics.median(rates[n]):.1f}' for n in names)} | {ratio('mtp', 'plain')} "
+                        f"| {ratio('mtp-whole', 'plain')} | {ratio('mtp', 'mtp-whole')} | {accept:.2f} of {steps + 1} "
                         f"| {'yes' if same else 'no'} |")
     finally:
+        os.environ.pop("HAL_SGLANG_WHOLE_PREFILL_DRAFT_EXTEND", None)
         for engine in engines.values():
             engine.shutdown()
-    print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} alternating pairs")
-    print("| prompt | MTP tok/s | plain tok/s | MTP / plain (median) | spread | accept length | same tokens |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} rounds of "
+          "the three engines, each first in turn; ratios: median (lowest-highest)")
+    print("| prompt | MTP tok/s | MTP, whole-prompt draft extend, tok/s | plain tok/s | MTP / plain | MTP whole-prompt / plain "
+          "| MTP / MTP whole-prompt | accept length | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0 if all_same else 1
 

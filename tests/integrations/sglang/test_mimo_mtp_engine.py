@@ -76,6 +76,88 @@ def sglang_generate(model: Path, speculative: bool, **engine_args: Any) -> list[
         engine.shutdown()
 
 
+def sglang_rounds(model: Path, rounds: list[tuple[list[list[int]], int]], **engine_args: Any) -> list[list[dict[str, Any]]]:
+    """Multi-layer EAGLE through hal in one engine, one ``generate`` per round of (prompts, new tokens)."""
+    engine = sglang.Engine(
+        model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, random_seed=0,
+        max_total_tokens=4096, json_model_override_args=mimo_rope_override(model), dtype="float32", disable_cuda_graph=True,
+        speculative_algorithm="EAGLE", speculative_num_steps=STEPS, speculative_eagle_topk=1,
+        speculative_num_draft_tokens=STEPS + 1, speculative_draft_model_path=str(model), **engine_args,
+    )  # fmt: skip
+    try:
+        return [engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": new, "temperature": 0, "ignore_eos": True})
+                for prompts, new in rounds]
+    finally:
+        engine.shutdown()
+
+
+def test_prefill_draft_extend_runs_over_the_window_tail_and_drafts_the_same(
+    checkpoint: tuple[Path, list[list[int]], Path], sgl_kernel_calls: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upstream patch ``multi_layer_eagle_worker_v2_prefill_draft_extend_window_tail.patch``:
+    MiMo's MTP layers attend a window of W keys, so without a radix cache each prefill's draft
+    extend runs over each request's last W + 1 positions only, and drafts what the whole-prompt
+    extend (upstream's, restored by the test site's ``HAL_SGLANG_WHOLE_PREFILL_DRAFT_EXTEND``)
+    drafts: the same first drafts and probabilities, each request verified as often, transformers'
+    tokens. With SGLang's radix cache a later request may match any prefix of an earlier one and
+    read the draft's KV there, so the extend runs over the whole prompt, hits included (the second
+    round matches 25 and 40 tokens inside a prompt whose request ended at its first token, so the
+    SWA radix cache still holds the window before each hit)."""
+    model, _, hf_dir = checkpoint
+    window = TinyConfig().sliding_window  # hal's W (keys before the query): SGLang's sliding_window_size
+    gen = torch.Generator().manual_seed(7)
+    vocab = TinyConfig().vocab_size
+    first = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (45, 30, window + 1, 9)]
+    second = [first[0][:25] + torch.randint(1, vocab, (12,), generator=gen).tolist(),
+              first[0][:40] + torch.randint(1, vocab, (8,), generator=gen).tolist()]
+    oracle = transformers.MiMoV2FlashForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", use_kernels=False).eval()
+
+    def greedy(prompts: list[list[int]], new: int) -> list[list[int]]:
+        with torch.no_grad():
+            return [oracle.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+                    for p in prompts]
+
+    monkeypatch.setenv("SGLANG_PLATFORM", "hal")
+    monkeypatch.setenv("HAL_SGLANG_FORWARD_LOG", str(tmp_path / "forwards.txt"))
+    runs = {}
+    for label, rounds, radix_off in (("whole", [(first, NEW_TOKENS)], True), ("tail", [(first, NEW_TOKENS)], True),
+                                     ("radix", [(first, 1), (second, NEW_TOKENS)], False)):
+        extends, drafted = tmp_path / f"extends-{label}.txt", tmp_path / f"drafts-{label}.jsonl"
+        monkeypatch.setenv("HAL_SGLANG_EXTEND_LOG", str(extends))
+        monkeypatch.setenv("HAL_SGLANG_PREFILL_DRAFT_LOG", str(drafted))
+        monkeypatch.setenv("HAL_SGLANG_WHOLE_PREFILL_DRAFT_EXTEND", "1" if label == "whole" else "0")
+        out = sglang_rounds(model, rounds, disable_radix_cache=radix_off)
+        assert [[o["output_ids"] for o in round_out] for round_out in out] == [greedy(*r) for r in rounds], label
+        # Each prefill: the target's forward over the new tokens (prefix lens, extend lens), then
+        # one draft extend per MTP layer.
+        lines = [tuple([int(n) for n in column.split(",")] for column in line.split()) for line in extends.read_text().splitlines()]
+        assert len(lines) % (STEPS + 1) == 0, lines
+        runs[label] = {
+            "prefills": [(lines[i], lines[i + 1 : i + STEPS + 1]) for i in range(0, len(lines), STEPS + 1)],
+            "drafts": {d["prompt"]: d for d in map(json.loads, drafted.read_text().splitlines())},
+            "verifies": [o["meta_info"].get("spec_verify_ct", 0) for o in out[0]],
+        }
+
+    for label in ("whole", "radix"):
+        for target, drafts in runs[label]["prefills"]:
+            assert drafts == [target] * STEPS, (label, target, drafts)
+    for (prefix, new), drafts in runs["tail"]["prefills"]:
+        tails = [min(n, window + 1) for n in new]
+        assert drafts == [([p + n - t for p, n, t in zip(prefix, new, tails)], tails)] * STEPS, (prefix, new, drafts)
+    assert any(min(n, window + 1) < n for (_, new), _ in runs["tail"]["prefills"] for n in new)  # some were cut
+    assert any(p > 0 for ((prefix, _), _) in runs["radix"]["prefills"] for p in prefix)  # the second round hit the cache
+
+    # The first drafts of each prompt of the first round (lengths differ), from its prefill's last rows.
+    for label in ("tail", "radix"):
+        drafts = {n: runs[label]["drafts"][n] for n in map(len, first)}
+        for length, whole in runs["whole"]["drafts"].items():
+            assert drafts[length]["tokens"] == whole["tokens"], (label, length)
+            torch.testing.assert_close(torch.tensor(drafts[length]["probs"]), torch.tensor(whole["probs"]), rtol=1e-5, atol=1e-6)
+    assert runs["tail"]["verifies"] == runs["whole"]["verifies"], runs
+    assert sum(runs["tail"]["verifies"]) < len(first) * (NEW_TOKENS - 1)  # drafts were accepted
+    assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
+
+
 def test_multi_layer_eagle_through_hal_is_lossless_and_accepts_like_hal(
     checkpoint: tuple[Path, list[list[int]], Path], sgl_kernel_calls: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

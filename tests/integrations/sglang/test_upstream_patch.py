@@ -32,7 +32,8 @@ GRAPH_MARKER = ("decode_cuda_graph_runner_capture_marker_without_stream_query.pa
                 "python/sglang/srt/model_executor/runner/decode_cuda_graph_runner.py")
 GRAPH_BACKEND = ("runner_backend_platform_graph_backend_on_every_device.patch",
                  "python/sglang/srt/model_executor/runner_backend/utils.py")
-ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION, GRAPH_SETUP, GRAPH_MODES, GRAPH_MARKER, GRAPH_BACKEND]
+PREFILL_TAIL = ("multi_layer_eagle_worker_v2_prefill_draft_extend_window_tail.patch", WORKER[1])
+ALL = [WORKER, DRAFT_UTILS, MIMO_NEXTN, ALLOCATION, GRAPH_SETUP, GRAPH_MODES, GRAPH_MARKER, GRAPH_BACKEND, PREFILL_TAIL]
 
 
 def git_apply(tree: Path, patch: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -361,3 +362,45 @@ def test_patched_decode_graphs_go_through_the_platforms_graph_backend_on_an_npu(
     assert resolved(patched, "npu") == resolved(patched, "cpu") == resolved(unpatched, "cpu") == "PlatformGraphs"
     assert resolved(patched, "npu", out_of_tree=False) == resolved(unpatched, "npu", out_of_tree=False)
     assert resolved(patched, "cpu", out_of_tree=False) == resolved(unpatched, "cpu", out_of_tree=False) == "FullCudaGraphBackend"
+
+
+def test_patched_prefill_draft_extend_cuts_to_the_window_tail_only_where_nothing_reads_before_it(tmp_path: Path) -> None:
+    """What the window-tail patch cuts (each request's last W + 1 new rows, as a prefix-extended
+    batch) and where it runs the whole prefill: a radix cache, a draft layer without a window,
+    chain-style hidden states, logprobs. Upstream has no cut; the engine test
+    (``test_mimo_mtp_engine.py``) shows the cut drafts what the whole extend drafts."""
+    unpatched, patched = before_and_after(tmp_path, *PREFILL_TAIL)
+    assert not hasattr(unpatched.MultiLayerEagleDraftWorker, "_prefill_window_tail")
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    def draft_layer(window: int) -> RadixAttention:
+        layer = RadixAttention.__new__(RadixAttention)
+        torch.nn.Module.__init__(layer)
+        layer.sliding_window_size = window
+        return layer
+
+    def tail(windows: tuple[int, ...] = (16, 16), radix: bool = False, chain: bool = False, logprob: bool = False,
+             mode: ForwardMode = ForwardMode.EXTEND) -> object:
+        worker = types.SimpleNamespace(
+            server_args=types.SimpleNamespace(disable_radix_cache=not radix), chain_mtp_hidden_states=chain,
+            draft_runner_list=[types.SimpleNamespace(model=torch.nn.Sequential(draft_layer(w))) for w in windows],
+        )
+        batch = types.SimpleNamespace(
+            forward_mode=mode, return_logprob=logprob, input_embeds=None, multimodal_inputs=[None, None, None],
+            input_ids=torch.arange(100, 150), out_cache_loc=torch.arange(1000, 1050), prefix_lens=[0, 7, 3],
+            extend_lens=[30, 5, 15], extend_num_tokens=50, extend_logprob_start_lens=[0, 0, 0],
+        )
+        return patched.MultiLayerEagleDraftWorker._prefill_window_tail(worker, batch, kv_loc_plan=object())
+
+    cut, rows = tail()
+    # W + 1 = 17 rows of the 30-token request (rows 13..29), all of the 5- and 15-token ones
+    assert rows.tolist() == list(range(13, 30)) + list(range(30, 50))
+    assert cut.input_ids.tolist() == [100 + r for r in rows.tolist()]
+    assert cut.out_cache_loc.tolist() == [1000 + r for r in rows.tolist()]
+    assert (cut.prefix_lens, cut.extend_lens, cut.extend_num_tokens) == ([13, 7, 3], [17, 5, 15], 37)
+    assert tail(windows=(4, 4))[0].extend_lens == [5, 5, 5]
+    assert tail(windows=(40, 40)) is None  # every request fits in the tail: nothing to cut
+    for whole in (tail(radix=True), tail(windows=(16, -1)), tail(windows=(16, 8)), tail(chain=True), tail(logprob=True),
+                  tail(mode=ForwardMode.MIXED)):
+        assert whole is None

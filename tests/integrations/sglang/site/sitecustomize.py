@@ -21,11 +21,19 @@ def _declare_missing_torchvision_ops() -> None:
 _declare_missing_torchvision_ops()
 
 
+_WRAPS: dict = {}  # module name -> the wraps to call on it, in the order they were asked for
+
+
 def _after_import(target: str, wrap) -> None:  # type: ignore[no-untyped-def]
     """Call ``wrap(module)`` right after the module named ``target`` is executed, in this process."""
     import importlib.abc
     import importlib.machinery
     import sys
+
+    if target in _WRAPS:
+        _WRAPS[target].append(wrap)
+        return
+    _WRAPS[target] = [wrap]
 
     class _Wrap(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path_, target_=None):  # type: ignore[no-untyped-def]
@@ -38,7 +46,8 @@ def _after_import(target: str, wrap) -> None:  # type: ignore[no-untyped-def]
 
             def exec_and_wrap(module):  # type: ignore[no-untyped-def]
                 exec_module(module)
-                wrap(module)
+                for each in _WRAPS[target]:
+                    each(module)
 
             spec.loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
             return spec
@@ -48,7 +57,10 @@ def _after_import(target: str, wrap) -> None:  # type: ignore[no-untyped-def]
 
 def _log_hal_forwards(path: str) -> None:
     """Append ``<mode> <KV pool class>`` for every forward the attention backend ``hal`` prepares
-    to ``path``, in any process: the Engine tests read it to tell what served a request."""
+    to ``path``, in any process: the Engine tests read it to tell what served a request. With
+    ``HAL_SGLANG_EXTEND_LOG`` set, also ``<prefix lens> <extend lens>`` (comma-separated) of every
+    EXTEND forward to that file, in order: a prefill's target forward, then its draft extends."""
+    extend_path = os.environ.get("HAL_SGLANG_EXTEND_LOG")
 
     def wrap(module):  # type: ignore[no-untyped-def]
         cls = module.HalAttnBackend
@@ -59,6 +71,10 @@ def _log_hal_forwards(path: str) -> None:
             tree = " tree" if getattr(self.forward_metadata, "tree_mask", None) is not None else ""
             with open(path, "a") as log:
                 log.write(f"{forward_batch.forward_mode.name} {type(self.sgl_pool).__name__}{tree}\n")
+            if extend_path and forward_batch.forward_mode.name == "EXTEND":
+                lens = (forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu)
+                with open(extend_path, "a") as log:
+                    log.write(" ".join(",".join(str(n) for n in column) for column in lens) + "\n")
 
         cls.init_forward_metadata = init_forward_metadata
 
@@ -104,6 +120,42 @@ def _log_npu_emulator_calls(path: str) -> None:
     _after_import("hal.backends.npu.emulator", wrap)
 
 
+def _log_prefill_drafts(path: str) -> None:
+    """Append one JSON line per request of every prefill's draft extend (multi-layer EAGLE) to
+    ``path``, in any process: its prompt length, and each draft step's token and probability."""
+
+    def wrap(module):  # type: ignore[no-untyped-def]
+        import json
+
+        worker = module.MultiLayerEagleDraftWorker
+        original = worker._draft_extend_for_prefill
+
+        def draft_extend_for_prefill(self, batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+            drafts = original(self, batch, *args, **kwargs)
+            with open(path, "a") as log:
+                for length, tokens, probs in zip(batch.seq_lens_cpu.tolist(), drafts.topk_index.tolist(), drafts.topk_p.tolist()):
+                    log.write(json.dumps({"prompt": length, "tokens": tokens, "probs": probs}) + "\n")
+            return drafts
+
+        worker._draft_extend_for_prefill = draft_extend_for_prefill
+
+    _after_import("sglang.srt.speculative.multi_layer_eagle_worker_v2", wrap)
+
+
+def _whole_prefill_draft_extend() -> None:
+    """Run every prefill's draft extend over the whole prompt, as upstream's does (hal's patch in
+    ``patches/`` cuts it to the draft window's tail): the before of a before/after comparison."""
+
+    def wrap(module):  # type: ignore[no-untyped-def]
+        module.MultiLayerEagleDraftWorker._prefill_window_tail = lambda self, batch, kv_loc_plan: None
+
+    _after_import("sglang.srt.speculative.multi_layer_eagle_worker_v2", wrap)
+
+
+if os.environ.get("HAL_SGLANG_WHOLE_PREFILL_DRAFT_EXTEND") == "1":
+    _whole_prefill_draft_extend()
+if os.environ.get("HAL_SGLANG_PREFILL_DRAFT_LOG"):
+    _log_prefill_drafts(os.environ["HAL_SGLANG_PREFILL_DRAFT_LOG"])
 if os.environ.get("HAL_SGLANG_FORWARD_LOG"):
     _log_hal_forwards(os.environ["HAL_SGLANG_FORWARD_LOG"])
 if os.environ.get("HAL_NPU_EMULATOR_LOG"):
