@@ -9,6 +9,9 @@ keeps a refused call harmless:
    backend's own limits (``UnsupportedConfigError``), before any write;
 3. ``pool.set_kv_for_forward``: the new K/V (when ``save_kv_cache``);
 4. ``_attend``: the hardware-specific part, over the paged cache, with the forward's plan.
+
+A kernel that writes the new K/V as it attends (one call for both) overrides ``_write_and_attend``
+(steps 3 and 4), asking the pool where the rows go (``pool.slots_for_forward``, after its checks).
 """
 
 from __future__ import annotations
@@ -73,7 +76,14 @@ class AttentionKernelBase:
         self.check_supported(layer, plan.metadata)
         if save_kv_cache:
             assert k is not None and v is not None  # validate_attention_call checked them
-            self.pool.set_kv_for_forward(layer.layer_id, plan, k, v)
+            return self._write_and_attend(q, k, v, layer, plan, sinks)
+        return self._attend(q, layer, plan, sinks)
+
+    def _write_and_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The new K/V into the layer's cache, then ``_attend``."""
+        self.pool.set_kv_for_forward(layer.layer_id, plan, k, v)
         return self._attend(q, layer, plan, sinks)
 
     @classmethod

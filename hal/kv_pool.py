@@ -275,12 +275,16 @@ class SplitKVPool:
 
     def set_kv_for_forward(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """``set_kv`` at the plan's ``out_cache_loc``, whose slots the plan step checked once."""
+        self._write_slots(layer, self.slots_for_forward(layer, plan, k, v), k, v)
+
+    def slots_for_forward(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The int64 slots of the layer's own sub-pool that ``set_kv_for_forward`` writes ``k`` and
+        ``v`` to, after its checks (for a kernel that writes the rows as it attends)."""
         plan.check_usable(self, f"set_kv_for_forward layer {layer}")
         loc = plan.metadata.out_cache_loc
         self._validate(layer, loc, k, v)
         swa = self.is_swa_layer(layer)
-        slots = plan.per_layer_kind(("pool-slots", swa), lambda: self.translate_loc(layer, loc.long()))
-        self._write_slots(layer, slots, k, v)
+        return plan.per_layer_kind(("pool-slots", swa), lambda: self.translate_loc(layer, loc.long()))
 
     def _write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K and V rows at ``slots`` of the layer's own sub-pool (already translated and checked)."""

@@ -56,6 +56,12 @@ class KVPool(AddressedPool, Protocol):
         derived once per plan, so a layer reads no device values."""
         ...
 
+    def slots_for_forward(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The int64 slots of the layer's own sub-pool (``k_buffer(layer)`` viewed as ``[slots, ...]``)
+        that ``set_kv_for_forward`` would write ``k`` and ``v`` to, after the same checks: for a
+        kernel that writes the rows itself as it attends."""
+        ...
+
     def k_buffer(self, layer: int) -> torch.Tensor:
         """``[pages + 1, page_size, kv_heads, head_dim]`` view of the layer's K (its own sub-pool)."""
         ...

@@ -99,7 +99,7 @@ def _load() -> None:
     function = library.hal_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
-                         ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ptr, i32, i32]
+                         ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ptr, i32, i32, ptr, i32, ptr, i64, i64, ptr, i64, i64]
     function.restype = i32
     _library, _status = library, f"in use: {path}, on {threads}"
 
@@ -127,11 +127,15 @@ def reads_lengths(block_table: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: t
     return block_table.dtype == kv_lens.dtype == cu_q_lens.dtype == torch.int32 and block_table.stride(-1) == 1
 
 
-def reads_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel reads q and the caches as they are: one dtype it knows, and a unit stride
-    along each head dim (the other strides are passed in)."""
-    return (q.dtype in _DTYPE_CODES and k_cache.dtype == v_cache.dtype == q.dtype
-            and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1)
+def reads_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *new_rows: torch.Tensor) -> bool:
+    """Whether the kernel reads q, the caches and any new K/V rows to write as they are: one dtype
+    it knows, and a unit stride along each head dim (the other strides are passed in)."""
+    dtype = q.dtype
+    if dtype not in _DTYPE_CODES or k_cache.dtype != dtype or v_cache.dtype != dtype:
+        return False
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return False
+    return all(t.dtype == dtype and t.stride(-1) == 1 for t in new_rows)
 
 
 def paged_attention(
@@ -145,12 +149,15 @@ def paged_attention(
     scaling: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None,  # [Hq]
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (slots [N] int64, k [N, Hkv, Dk], v [N, Hkv, Dv])
 ) -> torch.Tensor:
     """``hal.oracle.paged_oracle``'s result (chains only, no tree mask) from the compiled kernel, in
-    ``q``'s dtype. The caller checked the arguments (``validate_attention_call``) and that the kernel
-    reads them as they are (``reads_rows``, ``reads_lengths``)."""
+    ``q``'s dtype; with ``write``, first ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for
+    each ``slots[i]`` (slot: page * page_size + offset). The caller checked the arguments
+    (``validate_attention_call``, ``pool.slots_for_forward``) and that the kernel reads them as they
+    are (``reads_rows``, ``reads_lengths``)."""
     assert _library is not None, "paged_attention called without available()"
-    assert reads_rows(q, k_cache, v_cache) and reads_lengths(block_table, kv_lens, cu_q_lens)
+    assert reads_rows(q, k_cache, v_cache, *(write or ())[1:]) and reads_lengths(block_table, kv_lens, cu_q_lens)
     t, hq, dk = q.shape
     _, page_size, hkv, dv = v_cache.shape
     q_strides, k_strides, v_strides = q.stride(), k_cache.stride(), v_cache.stride()
@@ -160,6 +167,10 @@ def paged_attention(
     # held in locals while the kernel runs: a pointer into a temporary would outlive its tensor
     kv_lens, cu_q_lens = kv_lens.contiguous(), cu_q_lens.contiguous()
     sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()
+    slots, k_new, v_new = (None, None, None) if write is None else write
+    if slots is not None:
+        assert slots.dtype == torch.int64 and slots.dim() == 1
+        slots = slots.contiguous()
     status = _library.hal_paged_attention(
         q.data_ptr(), q_strides[0], q_strides[1],
         k_cache.data_ptr(), k_strides[0], k_strides[1], k_strides[2],
@@ -169,7 +180,14 @@ def paged_attention(
         kv_lens.shape[0], scaling, -1 if sliding_window is None else sliding_window,
         None if sink_row is None else sink_row.data_ptr(),
         out.data_ptr(), _DTYPE_CODES[out_dtype], torch.get_num_threads(),
+        None if slots is None else slots.data_ptr(), 0 if slots is None else slots.shape[0],
+        *(_rows_args(k_new) if k_new is not None else (None, 0, 0)), *(_rows_args(v_new) if v_new is not None else (None, 0, 0)),
     )
     if status != 0:
         raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")
     return out if out_dtype == q.dtype else out.to(q.dtype)
+
+
+def _rows_args(rows: torch.Tensor) -> tuple[int, int, int]:
+    """``[N, heads, dim]`` rows as the kernel takes them: address, token stride, head stride."""
+    return rows.data_ptr(), rows.stride(0), rows.stride(1)

@@ -99,6 +99,18 @@ def test_every_feature_and_dtype_matches_the_oracle(mode, q_len, window, sinks, 
     assert native_calls == [3 * q_len]
 
 
+@pytest.mark.parametrize("qk_dim, v_dim", [(32, 32), (64, 64), (128, 128), (192, 128), (256, 256), (192, 192)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_dims_it_is_built_for_match_the_oracle(qk_dim, v_dim, dtype, native_calls) -> None:
+    """The head dims the kernel has loops of known length for (common models', MiMo-V2-Flash's
+    192/128), and one it has not: decode and verify, a window with sinks, and 2:1 GQA."""
+    for mode, q_len, window, sinks in ((M.DECODE, 1, None, False), (M.TARGET_VERIFY, 4, 5, True)):
+        layer = LayerSpec(0, 4, 2, qk_dim, v_dim, scaling=qk_dim**-0.5, sliding_window=window, has_sinks=sinks)
+        out, expect = run_cpu_kernel(mode, layer, [q_len + 21, q_len + 2], [q_len] * 2, page_size=16, dtype=dtype, seed=qk_dim + q_len)
+        assert_close(out, expect, dtype)
+    assert native_calls == [2, 8]
+
+
 def test_short_prompts_take_it_and_long_ones_and_draft_trees_go_to_the_torch_kernel(native_calls, monkeypatch) -> None:
     layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5)
     rows = NATIVE_MAX_QUERY_ROWS + 1  # past the rows of a decode-sized batch, within the pairs of a short prompt
@@ -134,6 +146,38 @@ def test_what_it_cannot_read_as_it_is_goes_to_the_torch_kernel(native_calls) -> 
         expect = paged_oracle(q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling)
         torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
     assert native_calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size, hybrid", [(1, False), (4, True), (16, False)])
+def test_the_compiled_kernel_writes_the_new_rows_where_set_kv_does(dtype, page_size, hybrid, native_calls) -> None:
+    """The forward's K/V, written by the compiled kernel as it attends (a verify block of 3 rows per
+    request, across a page boundary where pages are small): every sub-pool buffer bit for bit what
+    ``set_kv`` leaves, on a hybrid pool translated into the SWA sub-pool (``pool.slots_for_forward``)."""
+    from hal.spec import SWAPoolSpec
+
+    swa = SWAPoolSpec((0,), 16 * page_size, 2, 8, 12) if hybrid else None
+    spec = KVPoolSpec(2, 16 * page_size, page_size, 2, 8, 12, dtype, swa)
+    backend = CpuBackend()
+    pools = [backend.create_kv_pool(spec) for _ in range(2)]
+    gen = torch.Generator().manual_seed(page_size)
+    if hybrid:
+        swa_pages = torch.randperm(16, generator=gen) + 1
+        for pool in pools:
+            pool.map_swa_pages(torch.arange(1, 17), swa_pages)
+    table = [[3, 5, 2, 6, 7, 8, 9, 10], [4, 11, 12, 13, 14, 15, 16, 1]]
+    kv_lens = [3 * page_size + 1, 2 * page_size + 2]
+    loc = [table[b][p // page_size] * page_size + p % page_size for b, n in enumerate(kv_lens) for p in range(n - 3, n)]
+    for layer_id in (0, 1):
+        layer = LayerSpec(layer_id, 4, 2, 8, 12, 8**-0.5, sliding_window=3 if hybrid and layer_id == 0 else None)
+        q, k, v = (torch.randn(6, h, d, generator=gen).to(dtype) for h, d in ((4, 8), (2, 8), (2, 12)))
+        kernel = backend.create_attention(pools[0])
+        md = build_metadata(M.TARGET_VERIFY, kv_lens=kv_lens, q_lens=[3, 3], page_table=table, out_cache_loc=loc, pool=pools[0])
+        kernel.forward(q, k, v, layer, kernel.plan(md))
+        pools[1].set_kv(layer_id, torch.tensor(loc), k, v)
+    assert native_calls == [6, 6]
+    for (k_a, v_a), (k_b, v_b) in zip(pools[0].sub_pool_buffers().values(), pools[1].sub_pool_buffers().values()):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
 
 
 def test_a_query_that_needs_gradients_goes_to_the_torch_kernel(native_calls) -> None:
