@@ -322,13 +322,16 @@ class HalAttentionImpl(AttentionImpl):
             return output
         spec = self._layer_spec(layer, attn_metadata)
         n = attn_metadata.num_actual_tokens
+        if query.shape[0] != n:  # rows past the batch's tokens (padding): not attended
+            query, key, value = query[:n], key[:n], value[:n]
         out = attn_metadata.kernel.forward(
-            query[:n].view(n, spec.num_q_heads, spec.head_dim),
-            key[:n].view(n, spec.num_kv_heads, spec.head_dim),
-            value[:n].view(n, spec.num_kv_heads, spec.v_head_dim),
+            query.view(n, spec.num_q_heads, spec.head_dim),
+            key.view(n, spec.num_kv_heads, spec.head_dim),
+            value.view(n, spec.num_kv_heads, spec.v_head_dim),
             spec,
             attn_metadata.plan,
             sinks=self.sinks,
         )
-        output[:n].copy_(out.view(output[:n].shape))
+        rows = output if output.shape[0] == n else output[:n]
+        rows.copy_(out.view(rows.shape))
         return output
