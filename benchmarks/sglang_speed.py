@@ -85,8 +85,8 @@ def bench_mtp(args: argparse.Namespace) -> int:
         accepts = []
         for _, prompts in batches:
             out = engines["mtp"].generate(input_ids=prompts, sampling_params=params)
-            verifies = sum(o["meta_info"]["spec_verify_ct"] for o in out)
-            accepts.append((sum(len(o["output_ids"]) - 1 for o in out) / verifies, [o["output_ids"] for o in out]))
+            verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in out)  # none with one new token: the prefill alone
+            accepts.append((sum(len(o["output_ids"]) - 1 for o in out) / verifies if verifies else None, [o["output_ids"] for o in out]))
         engines["mtp-whole"], engines["plain"] = start("mtp-whole"), start("plain")
         for (label, prompts), (accept, mtp_tokens) in zip(batches, accepts):
             same = all(mtp_tokens == [o["output_ids"] for o in engines[name].generate(input_ids=prompts, sampling_params=params)]
@@ -104,7 +104,7 @@ def bench_mtp(args: argparse.Namespace) -> int:
                 return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
             rows.append(f"| {label} | {' | '.join(f'{statistics.median(rates[n]):.1f}' for n in names)} | {ratio('mtp', 'plain')} "
-                        f"| {ratio('mtp-whole', 'plain')} | {ratio('mtp', 'mtp-whole')} | {accept:.2f} of {steps + 1} "
+                        f"| {ratio('mtp-whole', 'plain')} | {ratio('mtp', 'mtp-whole')} | {'-' if accept is None else f'{accept:.2f}'} of {steps + 1} "
                         f"| {'yes' if same else 'no'} |")
     finally:
         os.environ.pop("HAL_SGLANG_WHOLE_PREFILL_DRAFT_EXTEND", None)
