@@ -48,35 +48,38 @@ class CpuAttention(AttentionKernelBase):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         # The compiled kernel writes the new rows and attends in one call.
-        if self._native_reads(q, layer, plan, sinks, k, v):
+        caches = self._native_caches(q, layer, plan, sinks, k, v)
+        if caches is not None:
             slots = self.pool.slots_for_forward(layer.layer_id, plan, k, v)
-            return self._native(q, layer, plan, sinks, write=(slots, k, v))
+            return self._native(q, caches, layer, plan, sinks, write=(slots, k, v))
         return super()._write_and_attend(q, k, v, layer, plan, sinks)
 
-    def _native_reads(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
-                      *new_rows: torch.Tensor) -> bool:
-        """Whether the compiled kernel takes this layer's call: the forward (``_native_serves``), and
-        q, the caches and any new K/V rows as they are, with no gradient to keep."""
+    def _native_caches(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
+                       *new_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's (K, V) caches when the compiled kernel takes this call: the forward
+        (``_native_serves``), and q, the caches and any new K/V rows as they are, with no gradient
+        to keep; else None."""
         if not plan.per_layer_kind("cpu-native", lambda: self._native_serves(plan)):
-            return False
+            return None
         k_cache, v_cache = self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id)
-        return (native.reads_rows(q, k_cache, v_cache, *new_rows)
-                and not _needs_grad(q, k_cache, v_cache, sinks, *new_rows))
+        if native.reads_rows(q, k_cache, v_cache, *new_rows) and not _needs_grad(q, k_cache, v_cache, sinks, *new_rows):
+            return k_cache, v_cache
+        return None
 
-    def _native(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
-                write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def _native(self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], layer: LayerSpec, plan: ForwardPlan,
+                sinks: torch.Tensor | None, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         metadata = plan.metadata
         return native.paged_attention(
-            q, self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id), self.block_table(layer, metadata),
-            metadata.kv_lens, metadata.cu_q_lens, scaling=layer.scaling, sliding_window=layer.sliding_window, sinks=sinks,
-            write=write,
+            q, *caches, self.block_table(layer, metadata), metadata.kv_lens, metadata.cu_q_lens, scaling=layer.scaling,
+            sliding_window=layer.sliding_window, sinks=sinks, write=write,
         )
 
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        if self._native_reads(q, layer, plan, sinks):
-            return self._native(q, layer, plan, sinks)
+        caches = self._native_caches(q, layer, plan, sinks)
+        if caches is not None:
+            return self._native(q, caches, layer, plan, sinks)
         metadata = plan.metadata
         table = self.block_table(layer, metadata)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
