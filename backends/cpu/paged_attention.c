@@ -297,6 +297,19 @@ static void write_rows(char *cache, int64_t stride_page, int64_t stride_slot, in
     }
 }
 
+/* The (request, KV head) items, with scratch rows of this thread's own: shared among the team's
+ * threads inside a parallel region, all on the calling thread outside one. 0, or -1 when the
+ * scratch could not be had. */
+static int attend_items(const Call *c, int items) {
+    Scratch scratch;
+    const int failed = scratch_alloc(c, &scratch) != 0;
+#pragma omp for schedule(static)
+    for (int item = 0; item < items; item++)
+        if (!failed) attend(c, item / c->kv_heads, item % c->kv_heads, &scratch);
+    scratch_free(&scratch);
+    return failed ? -1 : 0;
+}
+
 /* Below this many multiply-adds a call runs on the calling thread alone: entering a parallel
  * region costs microseconds even with the workers awake. */
 #define MIN_PARALLEL_WORK 2e5
@@ -342,22 +355,10 @@ int hal_paged_attention(
     const int items = batch * kv_heads;
     if (threads < 1 || multiply_adds < MIN_PARALLEL_WORK) threads = 1;
     if (threads > items) threads = items > 0 ? items : 1;
+    if (threads == 1) /* no parallel region at all: even an inactive one costs a microsecond or two */
+        return attend_items(&c, items);
     int failed = 0;
-    if (threads == 1) { /* no parallel region at all: even an inactive one costs a microsecond or two */
-        Scratch scratch;
-        failed = scratch_alloc(&c, &scratch) != 0;
-        for (int item = 0; item < items && !failed; item++) attend(&c, item / kv_heads, item % kv_heads, &scratch);
-        scratch_free(&scratch);
-        return failed ? -1 : 0;
-    }
 #pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        Scratch scratch;
-        failed = scratch_alloc(&c, &scratch) != 0;
-#pragma omp for schedule(static)
-        for (int item = 0; item < items; item++)
-            if (!failed) attend(&c, item / kv_heads, item % kv_heads, &scratch);
-        scratch_free(&scratch);
-    }
+    failed = attend_items(&c, items) != 0;
     return failed ? -1 : 0;
 }
