@@ -61,6 +61,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
 
 
 def sglang_generate(model: Path, speculative: bool, **engine_args: Any) -> list[dict[str, Any]]:
+    return sglang_rounds(model, [(PROMPTS, NEW_TOKENS)], speculative, **engine_args)[0]
+
+
+def sglang_rounds(
+    model: Path, rounds: list[tuple[list[list[int]], int]], speculative: bool = True, **engine_args: Any
+) -> list[list[dict[str, Any]]]:
+    """One engine through hal (multi-layer EAGLE when ``speculative``), one ``generate`` per round of
+    (prompts, new tokens)."""
     spec = dict(
         speculative_algorithm="EAGLE", speculative_num_steps=STEPS, speculative_eagle_topk=1,
         speculative_num_draft_tokens=STEPS + 1, speculative_draft_model_path=str(model),
@@ -70,20 +78,6 @@ def sglang_generate(model: Path, speculative: bool, **engine_args: Any) -> list[
         random_seed=0, max_total_tokens=4096, json_model_override_args=mimo_rope_override(model),
         **{"dtype": "float32", "disable_cuda_graph": True, **spec, **engine_args},
     )
-    try:
-        return engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})  # type: ignore[no-any-return]
-    finally:
-        engine.shutdown()
-
-
-def sglang_rounds(model: Path, rounds: list[tuple[list[list[int]], int]], **engine_args: Any) -> list[list[dict[str, Any]]]:
-    """Multi-layer EAGLE through hal in one engine, one ``generate`` per round of (prompts, new tokens)."""
-    engine = sglang.Engine(
-        model_path=str(model), device="cpu", attention_backend="hal", skip_tokenizer_init=True, random_seed=0,
-        max_total_tokens=4096, json_model_override_args=mimo_rope_override(model), dtype="float32", disable_cuda_graph=True,
-        speculative_algorithm="EAGLE", speculative_num_steps=STEPS, speculative_eagle_topk=1,
-        speculative_num_draft_tokens=STEPS + 1, speculative_draft_model_path=str(model), **engine_args,
-    )  # fmt: skip
     try:
         return [engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": new, "temperature": 0, "ignore_eos": True})
                 for prompts, new in rounds]
