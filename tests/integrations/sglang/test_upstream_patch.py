@@ -386,6 +386,7 @@ def test_patched_prefill_draft_extend_cuts_to_the_window_tail_only_where_nothing
             server_args=types.SimpleNamespace(disable_radix_cache=not radix), chain_mtp_hidden_states=chain,
             draft_runner_list=[types.SimpleNamespace(model=torch.nn.Sequential(draft_layer(w))) for w in windows],
         )
+        worker._draft_layers_window = types.MethodType(patched.MultiLayerEagleDraftWorker._draft_layers_window, worker)
         batch = types.SimpleNamespace(
             forward_mode=mode, return_logprob=logprob, input_embeds=None, multimodal_inputs=[None, None, None],
             input_ids=torch.arange(100, 150), out_cache_loc=torch.arange(1000, 1050), prefix_lens=[0, 7, 3],
