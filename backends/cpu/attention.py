@@ -1,5 +1,6 @@
-"""The CPU backend's kernel: the compiled kernel (``native``) for decode, verify and draft steps
-and short prompts, ``paged_attention`` (pure torch, with a gather workspace) for every other batch."""
+"""The CPU backend's kernel: the compiled kernel (``native``) for chains (decode, verify and draft
+steps, prompts), ``paged_attention`` (pure torch, with a gather workspace) for draft trees, calls
+that need gradients, and every batch when the library is not in use."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from hal.sdk import AttentionKernelBase, ForwardPlan, KVPool, LayerSpec
 
 # The compiled kernel costs about the same per (query row, key, head) whatever the head dims, with
 # next to nothing per call; the torch kernel about half a millisecond per call, then runs prompts
-# through torch's flash attention faster. Measured on 4 requests (4 query heads of 32, 16 of 128):
-# the compiled one is faster up to 64-token prompts on both and to 128 on the second. It takes a
-# batch of up to NATIVE_MAX_QUERY_ROWS rows per request (decode, verify, draft steps) or of up to
+# through torch's flash attention. Where the library runs prompts by tiles (``native.tiles_prompts``)
+# it is the faster of the two at every length measured (4 requests of up to 896 tokens, 4 query
+# heads of 32 and 16 of 128), and takes every chain. Row by row, it is faster up to 64-token
+# prompts with 4 heads of 32 and to 128 with 16 of 128: then it takes a batch of up to
+# NATIVE_MAX_QUERY_ROWS rows per request (decode, verify, draft steps) or of up to
 # NATIVE_MAX_ROW_KEY_PAIRS (query row, key) pairs in all (short prompts).
 NATIVE_MAX_QUERY_ROWS = 16
 NATIVE_MAX_ROW_KEY_PAIRS = 4 * 64 * 128
@@ -59,7 +62,7 @@ class CpuAttention(AttentionKernelBase):
         """The layer's (K, V) caches when the compiled kernel takes this call: the forward
         (``_native_serves``), and q, the caches and any new K/V rows as they are, with no gradient
         to keep; else None."""
-        if not plan.per_layer_kind("cpu-native", lambda: self._native_serves(plan)):
+        if not plan.per_layer_kind(("cpu-native", layer.v_head_dim), lambda: self._native_serves(plan, layer.v_head_dim)):
             return None
         k_cache, v_cache = self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id)
         if native.reads_rows(q, k_cache, v_cache, *new_rows) and not _needs_grad(q, k_cache, v_cache, sinks, *new_rows):
@@ -98,15 +101,18 @@ class CpuAttention(AttentionKernelBase):
         return self._paged(paged_attention, q, layer, plan, sinks, workspace=self.workspace,
                            plan=plan.per_layer_kind(kind, index_plan))
 
-    def _native_serves(self, plan: ForwardPlan) -> bool:
-        """Whether the compiled kernel takes this forward: a chain (no tree) of at most
-        ``NATIVE_MAX_QUERY_ROWS`` rows per request or ``NATIVE_MAX_ROW_KEY_PAIRS`` in all, whose
-        metadata it reads as it is, with the library built (``native.native_status``)."""
+    def _native_serves(self, plan: ForwardPlan, v_head_dim: int) -> bool:
+        """Whether the compiled kernel takes this forward's layers of this value head dim: a chain
+        (no tree) whose metadata it reads as it is, with the library built
+        (``native.native_status``); prompts of any length where it runs them by tiles, else at most
+        ``NATIVE_MAX_QUERY_ROWS`` rows per request or ``NATIVE_MAX_ROW_KEY_PAIRS`` in all."""
         metadata = plan.metadata
         tables = [t for t in (metadata.block_table, metadata.swa_block_table) if t is not None]
         if (metadata.tree_mask is not None or not native.available()
                 or not all(native.reads_lengths(t, metadata.kv_lens, metadata.cu_q_lens) for t in tables)):
             return False
+        if native.tiles_prompts(v_head_dim):
+            return True
         q_lens, kv_lens = metadata.q_lens_cpu, metadata.kv_lens_cpu
         return (max(q_lens, default=0) <= NATIVE_MAX_QUERY_ROWS
                 or sum(q * kv for q, kv in zip(q_lens, kv_lens)) <= NATIVE_MAX_ROW_KEY_PAIRS)

@@ -33,7 +33,7 @@ import torch
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 # -fopenmp-simd: the source's simd pragmas (vectorised reductions) without an OpenMP runtime;
 # -march=native: the library is built for, and cached per, the CPU it runs on.
-_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-march=native")
+_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-march=native")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
@@ -101,6 +101,7 @@ def _load() -> None:
     function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
                          ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ptr, i32, i32, ptr, i32, ptr, i64, i64, ptr, i64, i64]
     function.restype = i32
+    library.hal_paged_attention_tiles.restype = i32
     _library, _status = library, f"in use: {path}, on {threads}"
 
 
@@ -119,6 +120,13 @@ def available() -> bool:
     if _status is None:
         native_status()
     return _library is not None
+
+
+def tiles_prompts(v_head_dim: int) -> bool:
+    """Whether the library runs long prompts of this value head dim by tiles, eight query rows at
+    once (built with the vector extensions, value rows a whole number of eight lanes), as fast as
+    torch's flash attention or faster; else prompts are row by row, for short ones only."""
+    return available() and v_head_dim % 8 == 0 and bool(_library.hal_paged_attention_tiles())  # type: ignore[union-attr]
 
 
 def reads_lengths(block_table: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: torch.Tensor) -> bool:

@@ -52,8 +52,9 @@ static inline const float *row_f32(const void *row, int dtype, int n, float *buf
 
 /* exp(x) for x <= 0 (a score less the row's maximum), in a form the compiler vectorises: 2^n times
  * a degree-6 polynomial on |r| <= ln2/2 (within 2 ulp of expf); 0 below -87.3 (where expf is
- * subnormal), NaN for NaN. */
+ * subnormal) and for -inf, NaN for NaN. */
 static inline float exp_nonpositive(float x) {
+    x = x < -87.5f ? -87.5f : x; /* -inf (a masked score) too: 0 below, never inf - inf */
     const float n = __builtin_rintf(x * 1.44269504088896341f);
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -283,6 +284,222 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
     else attend_dims(c, b, h, s, dk, dv);
 }
 
+#ifdef HAL_LANES
+/* Prompts and GQA groups: eight query rows of one request and KV head at once (tokens x the query
+ * heads of the group, row r = token * group + head), scores with lanes over the rows. Each key is
+ * read once per eight rows instead of once per row, and both products keep their sums in
+ * registers: QK^T as 16 keys x 8 rows, PV as 8 rows x 16 value columns. The softmax runs per block
+ * of keys (online: a running maximum and sum per row). A key outside a row's mask gets a -inf
+ * score (a select, not arithmetic) and its value is added only to the rows that see it, so a NaN
+ * there reaches no row that does not see it. */
+typedef float lanes8 __attribute__((vector_size(32), aligned(4)));
+enum { TILE_ROWS = 8, KEY_BLOCK = 64, ROWS_PER_ITEM = 256 };
+
+static inline lanes8 load8(const float *p) {
+    lanes8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, lanes8 v) { memcpy(p, &v, sizeof v); }
+
+typedef struct {
+    float *keys;          /* [keys + 15][qk_dim]: the item's keys as fp32, and spare rows */
+    float *values;        /* [keys][v_dim]: its values as fp32, when the cache holds another dtype */
+    const float **values_f32; /* each key's value row as fp32 (in the cache, or in values) */
+    float *queries;       /* [qk_dim][8]: the tile's query rows, scaled, transposed */
+    float *scores;        /* [KEY_BLOCK][8] */
+    float *acc;           /* [8][v_dim] */
+    float *row;           /* one converted query row */
+    Scratch located;      /* k_rows, v_rows */
+} TileScratch;
+
+/* The calling thread's tile scratch, kept between calls (OpenMP's workers and the caller live on),
+ * grown when a call needs more. NULL when memory could not be had. */
+static _Thread_local char *tile_arena;
+static _Thread_local size_t tile_arena_bytes;
+
+static size_t aligned_bytes(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+static int tile_scratch(const Call *c, TileScratch *t) {
+    const size_t keys = (size_t)c->max_keys, dk = (size_t)c->qk_dim, dv = (size_t)c->v_dim;
+    const size_t sizes[] = {
+        (keys + 15) * dk * 4, c->dtype == HAL_F32 ? 0 : keys * dv * 4, keys * sizeof(float *), dk * TILE_ROWS * 4,
+        KEY_BLOCK * TILE_ROWS * 4, TILE_ROWS * dv * 4, dk * 4, keys * sizeof(char *), keys * sizeof(char *),
+    };
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += aligned_bytes(sizes[i]);
+    if (total > tile_arena_bytes) {
+        free(tile_arena);
+        tile_arena = aligned_alloc(64, total);
+        tile_arena_bytes = tile_arena ? total : 0;
+        if (!tile_arena) return -1;
+    }
+    char *at = tile_arena;
+    void *parts[9];
+    for (size_t i = 0; i < 9; i++) parts[i] = at, at += aligned_bytes(sizes[i]);
+    t->keys = parts[0], t->values = parts[1], t->values_f32 = parts[2], t->queries = parts[3], t->scores = parts[4];
+    t->acc = parts[5], t->row = parts[6], t->located.k_rows = parts[7], t->located.v_rows = parts[8];
+    return 0;
+}
+
+/* Scores of the tile's 8 rows against 16 keys (rows of keys, qk_dim apart): 16 x 8 sums in
+ * registers, each key element broadcast against the 8 rows' query elements. */
+static inline ALWAYS_INLINE void scores_16_keys(const float *queries, const float *keys, const int qk_dim, float *scores) {
+    lanes8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    lanes8 a8 = {0}, a9 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0}, a14 = {0}, a15 = {0};
+    for (int d = 0; d < qk_dim; d++) {
+        const lanes8 q = load8(queries + 8 * d);
+        const float *k = keys + d;
+        a0 += q * k[0], a1 += q * k[qk_dim], a2 += q * k[2 * qk_dim], a3 += q * k[3 * qk_dim];
+        a4 += q * k[4 * qk_dim], a5 += q * k[5 * qk_dim], a6 += q * k[6 * qk_dim], a7 += q * k[7 * qk_dim];
+        a8 += q * k[8 * qk_dim], a9 += q * k[9 * qk_dim], a10 += q * k[10 * qk_dim], a11 += q * k[11 * qk_dim];
+        a12 += q * k[12 * qk_dim], a13 += q * k[13 * qk_dim], a14 += q * k[14 * qk_dim], a15 += q * k[15 * qk_dim];
+    }
+    store8(scores, a0), store8(scores + 8, a1), store8(scores + 16, a2), store8(scores + 24, a3);
+    store8(scores + 32, a4), store8(scores + 40, a5), store8(scores + 48, a6), store8(scores + 56, a7);
+    store8(scores + 64, a8), store8(scores + 72, a9), store8(scores + 80, a10), store8(scores + 88, a11);
+    store8(scores + 96, a12), store8(scores + 104, a13), store8(scores + 112, a14), store8(scores + 120, a15);
+}
+
+/* acc[r][col..col+width) = acc * alpha[r] + sum over keys first..last of weights[j][r] * value_j:
+ * 8 rows x 16 columns (width 16) or 8 (width 8) of sums in registers. */
+static inline ALWAYS_INLINE void weigh_values(float *acc, const int v_dim, const int col, const int width, const float alpha[8],
+                                              const float *weights, const float *const *values, int first, int last) {
+    if (width == 16) {
+        lanes8 c[8][2];
+        for (int r = 0; r < 8; r++) c[r][0] = load8(acc + r * v_dim + col) * alpha[r], c[r][1] = load8(acc + r * v_dim + col + 8) * alpha[r];
+        for (int j = first; j <= last; j++) {
+            const float *v = values[j] + col, *w = weights + 8 * j;
+            const lanes8 v0 = load8(v), v1 = load8(v + 8);
+            for (int r = 0; r < 8; r++) c[r][0] += w[r] * v0, c[r][1] += w[r] * v1;
+        }
+        for (int r = 0; r < 8; r++) store8(acc + r * v_dim + col, c[r][0]), store8(acc + r * v_dim + col + 8, c[r][1]);
+    } else {
+        lanes8 c[8];
+        for (int r = 0; r < 8; r++) c[r] = load8(acc + r * v_dim + col) * alpha[r];
+        for (int j = first; j <= last; j++) {
+            const lanes8 v0 = load8(values[j] + col);
+            const float *w = weights + 8 * j;
+            for (int r = 0; r < 8; r++) c[r] += w[r] * v0;
+        }
+        for (int r = 0; r < 8; r++) store8(acc + r * v_dim + col, c[r]);
+    }
+}
+
+/* A row of n elements as fp32 into dst. */
+static inline void unpack_row(const char *row, int dtype, int n, float *dst) {
+    const float *f = row_f32(row, dtype, n, dst);
+    if (f != dst) memcpy(dst, f, sizeof(float) * (size_t)n);
+}
+
+/* Rows r0..r1-1 of request b on KV head h (row r: token r / group, query head h * group + r % group). */
+static inline ALWAYS_INLINE void attend_tiles_dims(const Call *c, int b, int h, int r0, int r1, TileScratch *t, const int qk_dim,
+                                                   const int v_dim) {
+    const size_t esize = element_size(c->dtype);
+    const int group = c->group, window = c->window;
+    const int q_len = c->cu_q_lens[b + 1] - c->cu_q_lens[b], kv_len = c->kv_lens[b], first_p = kv_len - q_len;
+    const int32_t *pages = c->block_table + (int64_t)b * c->table_stride;
+    /* the keys some row of the item sees: from the first row's lowest to the last row's position */
+    const int item_p = first_p + (r1 - 1) / group, item_p0 = first_p + r0 / group;
+    const int klo = window >= 0 && item_p0 - window > 0 ? item_p0 - window : 0;
+    locate_rows(c, pages, klo, item_p, h * c->k_stride_head, h * c->v_stride_head, &t->located);
+    float *keys = t->keys - (int64_t)klo * qk_dim; /* indexed by key position */
+    const float **values = t->values_f32 - klo;
+    for (int j = klo; j <= item_p; j++) {
+        unpack_row(t->located.k_rows[j], c->dtype, qk_dim, keys + (int64_t)j * qk_dim);
+        if (c->dtype == HAL_F32) {
+            values[j] = (const float *)t->located.v_rows[j];
+        } else {
+            float *value = t->values + (int64_t)(j - klo) * v_dim;
+            unpack_row(t->located.v_rows[j], c->dtype, v_dim, value);
+            values[j] = value;
+        }
+    }
+    for (int tile = r0; tile < r1; tile += TILE_ROWS) {
+        const int rows = r1 - tile < TILE_ROWS ? r1 - tile : TILE_ROWS;
+        int p[8], lo[8], head[8];
+        int64_t token[8];
+        float m[8], l[8], alpha[8], base[8];
+        int lo_min = INT32_MAX, lo_max = 0, p_min = INT32_MAX, p_max = 0;
+        for (int r = 0; r < TILE_ROWS; r++) { /* rows past the item's repeat its last one, and are not written */
+            const int row = tile + (r < rows ? r : rows - 1);
+            token[r] = c->cu_q_lens[b] + row / group, head[r] = h * group + row % group;
+            p[r] = first_p + row / group, lo[r] = window >= 0 && p[r] - window > 0 ? p[r] - window : 0;
+            lo_min = lo[r] < lo_min ? lo[r] : lo_min, lo_max = lo[r] > lo_max ? lo[r] : lo_max;
+            p_min = p[r] < p_min ? p[r] : p_min, p_max = p[r] > p_max ? p[r] : p_max;
+            const float *qr = row_f32(c->q + (token[r] * c->q_stride_token + (int64_t)head[r] * c->q_stride_head) * esize, c->dtype,
+                                      qk_dim, t->row);
+            for (int d = 0; d < qk_dim; d++) t->queries[d * TILE_ROWS + r] = qr[d] * c->scaling;
+            m[r] = c->sinks ? c->sinks[head[r]] : -INFINITY, l[r] = c->sinks ? 1.0f : 0.0f;
+        }
+        memset(t->acc, 0, sizeof(float) * TILE_ROWS * (size_t)v_dim);
+        for (int kb = lo_min; kb <= p_max; kb += KEY_BLOCK) {
+            const int ke = kb + KEY_BLOCK - 1 < p_max ? kb + KEY_BLOCK - 1 : p_max, n = ke - kb + 1;
+            float *s = t->scores;
+            int j = 0;
+            /* sixteen keys at a time, the last group past the block's end too: the key rows are
+             * there (tile_scratch's spare rows), and their scores are never read */
+            for (; j < n; j += 16) scores_16_keys(t->queries, keys + (int64_t)(kb + j) * qk_dim, qk_dim, s + 8 * j);
+            if (kb < lo_max || ke > p_min) /* some row does not see some key of the block */
+                for (j = 0; j < n; j++)
+                    for (int r = 0; r < TILE_ROWS; r++)
+                        s[8 * j + r] = kb + j < lo[r] || kb + j > p[r] ? -INFINITY : s[8 * j + r];
+            float top[8];
+            for (int r = 0; r < TILE_ROWS; r++) top[r] = m[r];
+            for (j = 0; j < n; j++) /* a NaN score is skipped here and reaches the sum through its exp */
+                for (int r = 0; r < TILE_ROWS; r++) top[r] = s[8 * j + r] > top[r] ? s[8 * j + r] : top[r];
+            for (int r = 0; r < TILE_ROWS; r++) { /* no key seen yet, no sink: nothing to rescale */
+                const int none = top[r] == -INFINITY;
+                alpha[r] = none ? 1.0f : exp_nonpositive(m[r] - top[r]), base[r] = none ? 0.0f : top[r];
+            }
+            float sums[8] = {0};
+            for (j = 0; j < n; j++)
+                for (int r = 0; r < TILE_ROWS; r++) sums[r] += (s[8 * j + r] = exp_nonpositive(s[8 * j + r] - base[r]));
+            for (int r = 0; r < TILE_ROWS; r++) l[r] = l[r] * alpha[r] + sums[r], m[r] = top[r];
+            /* keys every row sees, all rows at once; then each row's others */
+            const int common_lo = kb > lo_max ? kb : lo_max, common_hi = ke < p_min ? ke : p_min;
+            const float *weights = s - 8 * kb;
+            int col = 0;
+            for (; col + 16 <= v_dim; col += 16) weigh_values(t->acc, v_dim, col, 16, alpha, weights, values, common_lo, common_hi);
+            for (; col < v_dim; col += 8) weigh_values(t->acc, v_dim, col, 8, alpha, weights, values, common_lo, common_hi);
+            for (int r = 0; r < rows; r++) {
+                const int from = kb > lo[r] ? kb : lo[r], to = ke < p[r] ? ke : p[r];
+                for (j = from; j <= to; j++) {
+                    if (j >= common_lo && j <= common_hi) continue;
+                    const float w = weights[8 * j + r], *v = values[j];
+                    float *ar = t->acc + r * v_dim;
+#pragma omp simd
+                    for (int d = 0; d < v_dim; d++) ar[d] += w * v[d];
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const float inverse = 1.0f / l[r], *ar = t->acc + r * v_dim;
+            const int64_t first = (token[r] * c->q_heads + head[r]) * (int64_t)v_dim;
+            if (c->out_dtype == HAL_BF16) {
+                uint16_t *out = (uint16_t *)c->out + first;
+                for (int d = 0; d < v_dim; d++) out[d] = float_to_bf16(ar[d] * inverse);
+            } else {
+                float *out = (float *)c->out + first;
+#pragma omp simd
+                for (int d = 0; d < v_dim; d++) out[d] = ar[d] * inverse;
+            }
+        }
+    }
+}
+
+static void attend_tiles(const Call *c, int b, int h, int r0, int r1, TileScratch *t) {
+    const int dk = c->qk_dim, dv = c->v_dim;
+    if (dk == 128 && dv == 128) attend_tiles_dims(c, b, h, r0, r1, t, 128, 128);
+    else if (dk == 64 && dv == 64) attend_tiles_dims(c, b, h, r0, r1, t, 64, 64);
+    else if (dk == 192 && dv == 128) attend_tiles_dims(c, b, h, r0, r1, t, 192, 128);
+    else if (dk == 256 && dv == 256) attend_tiles_dims(c, b, h, r0, r1, t, 256, 256);
+    else if (dk == 32 && dv == 32) attend_tiles_dims(c, b, h, r0, r1, t, 32, 32);
+    else attend_tiles_dims(c, b, h, r0, r1, t, dk, dv);
+}
+#endif
+
 /* Row i of rows ([n, heads, width], unit stride in width) into slot slots[i] of a cache: the
  * forward's new keys or values, written before any row is read. */
 static void write_rows(char *cache, int64_t stride_page, int64_t stride_slot, int64_t stride_head, int page_size,
@@ -297,17 +514,82 @@ static void write_rows(char *cache, int64_t stride_page, int64_t stride_slot, in
     }
 }
 
-/* The (request, KV head) items, with scratch rows of this thread's own: shared among the team's
- * threads inside a parallel region, all on the calling thread outside one. 0, or -1 when the
- * scratch could not be had. */
-static int attend_items(const Call *c, int items) {
+/* One item of a call: rows r0..r1-1 of request b on KV head h by tiles, or (r1 < 0) every row of
+ * the request on that head by the row path. */
+typedef struct {
+    int b, h, r0, r1;
+} Item;
+
+/* Whether request b's rows go by tiles: eight rows or more (a prompt, a verify, a GQA group),
+ * value rows a whole number of eight lanes, and the vector extensions to build them with. */
+static int by_tiles(const Call *c, int b) {
+#ifdef HAL_LANES
+    return (c->cu_q_lens[b + 1] - c->cu_q_lens[b]) * c->group >= TILE_ROWS && c->v_dim % 8 == 0;
+#else
+    (void)c, (void)b;
+    return 0;
+#endif
+}
+
+/* The call's items, the costliest first within each (request, head) so the last ones handed out
+ * are short. NULL when memory could not be had. */
+static Item *list_items(const Call *c, int batch, int *count) {
+    int n = 0;
+    for (int b = 0; b < batch; b++) {
+        const int rows = (c->cu_q_lens[b + 1] - c->cu_q_lens[b]) * c->group;
+        n += c->kv_heads * (by_tiles(c, b) ? (rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM : 1);
+    }
+    Item *items = malloc(sizeof(Item) * (size_t)(n > 0 ? n : 1));
+    if (!items) return NULL;
+    n = 0;
+    for (int b = 0; b < batch; b++) {
+        const int rows = (c->cu_q_lens[b + 1] - c->cu_q_lens[b]) * c->group;
+        for (int h = 0; h < c->kv_heads; h++) {
+            if (!by_tiles(c, b)) {
+                items[n++] = (Item){b, h, 0, -1};
+                continue;
+            }
+            for (int r1 = rows; r1 > 0; r1 -= ROWS_PER_ITEM)
+                items[n++] = (Item){b, h, r1 - ROWS_PER_ITEM > 0 ? r1 - ROWS_PER_ITEM : 0, r1};
+        }
+    }
+    *count = n;
+    return items;
+}
+
+/* The call's items, with scratch of this thread's own: shared among the team's threads inside a
+ * parallel region, all on the calling thread outside one. 0, or -1 when scratch could not be had. */
+static int attend_items(const Call *c, const Item *items, int count) {
     Scratch scratch;
-    const int failed = scratch_alloc(c, &scratch) != 0;
-#pragma omp for schedule(static)
-    for (int item = 0; item < items; item++)
-        if (!failed) attend(c, item / c->kv_heads, item % c->kv_heads, &scratch);
+    int failed = scratch_alloc(c, &scratch) != 0;
+#ifdef HAL_LANES
+    TileScratch tiles;
+    int tiles_ready = 0; /* 0: not asked for yet, 1: ready, -1: could not be had */
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < count; i++) {
+        const Item it = items[i];
+        if (it.r1 < 0) {
+            if (!failed) attend(c, it.b, it.h, &scratch);
+            continue;
+        }
+#ifdef HAL_LANES
+        if (tiles_ready == 0) tiles_ready = tile_scratch(c, &tiles) == 0 ? 1 : -1;
+        if (tiles_ready > 0) attend_tiles(c, it.b, it.h, it.r0, it.r1, &tiles);
+        else failed = 1;
+#endif
+    }
     scratch_free(&scratch);
     return failed ? -1 : 0;
+}
+
+/* Whether this build runs prompts by tiles (built with the vector extensions): 1 or 0. */
+int hal_paged_attention_tiles(void) {
+#ifdef HAL_LANES
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Below this many multiply-adds a call runs on the calling thread alone: entering a parallel
@@ -352,13 +634,18 @@ int hal_paged_attention(
         if (kv_lens[b] > c.max_keys) c.max_keys = kv_lens[b];
         multiply_adds += (double)(cu_q_lens[b + 1] - cu_q_lens[b]) * kv_lens[b] * q_heads * (qk_dim + v_dim);
     }
-    const int items = batch * kv_heads;
+    int count = 0;
+    Item *items = list_items(&c, batch, &count);
+    if (!items) return -1;
     if (threads < 1 || multiply_adds < MIN_PARALLEL_WORK) threads = 1;
-    if (threads > items) threads = items > 0 ? items : 1;
-    if (threads == 1) /* no parallel region at all: even an inactive one costs a microsecond or two */
-        return attend_items(&c, items);
+    if (threads > count) threads = count > 0 ? count : 1;
     int failed = 0;
+    if (threads == 1) { /* no parallel region at all: even an inactive one costs a microsecond or two */
+        failed = attend_items(&c, items, count) != 0;
+    } else {
 #pragma omp parallel num_threads(threads) reduction(| : failed)
-    failed = attend_items(&c, items) != 0;
+        failed = attend_items(&c, items, count) != 0;
+    }
+    free(items);
     return failed ? -1 : 0;
 }

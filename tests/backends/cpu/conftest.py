@@ -10,5 +10,5 @@ from hal.backends.cpu.attention import CpuAttention
 @pytest.fixture
 def torch_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every batch through the pure-torch kernel (the one that serves where the compiled one does not)."""
-    monkeypatch.setattr(CpuAttention, "_native_serves", lambda self, plan: False)
+    monkeypatch.setattr(CpuAttention, "_native_serves", lambda self, plan, v_head_dim: False)
 

@@ -111,20 +111,43 @@ def test_the_head_dims_it_is_built_for_match_the_oracle(qk_dim, v_dim, dtype, na
     assert native_calls == [2, 8]
 
 
-def test_short_prompts_take_it_and_long_ones_and_draft_trees_go_to_the_torch_kernel(native_calls, monkeypatch) -> None:
-    layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5)
+def test_prompts_of_any_length_take_it_by_tiles_and_draft_trees_go_to_the_torch_kernel(native_calls, monkeypatch) -> None:
+    """Where the library runs prompts by tiles (value rows of 8) it takes every chain; with value
+    rows it cannot tile (12) only decode-sized batches and short prompts; draft trees never."""
+    assert native.tiles_prompts(8) and not native.tiles_prompts(12)
     rows = NATIVE_MAX_QUERY_ROWS + 1  # past the rows of a decode-sized batch, within the pairs of a short prompt
     assert rows * (rows + 5) <= NATIVE_MAX_ROW_KEY_PAIRS
-    out, expect = run_cpu_kernel(M.EXTEND, layer, [rows + 5, 3], [rows, 1], page_size=4, dtype=torch.float32, seed=1)
+    monkeypatch.setattr(cpu_attention, "NATIVE_MAX_ROW_KEY_PAIRS", rows * (rows + 5) - 1)  # the prompt is past both bounds
+    for v_dim, takes in ((8, True), (12, False)):
+        layer = LayerSpec(1, 4, 2, 8, v_dim, scaling=8**-0.5)
+        out, expect = run_cpu_kernel(M.EXTEND, layer, [rows + 5, 3], [rows, 1], page_size=4, dtype=torch.float32, seed=1)
+        assert_close(out, expect, torch.float32)
+        assert native_calls == ([rows + 1] if takes else [])
+        native_calls.clear()
+    monkeypatch.setattr(cpu_attention, "NATIVE_MAX_ROW_KEY_PAIRS", NATIVE_MAX_ROW_KEY_PAIRS)  # a short prompt again: row by row
+    out, expect = run_cpu_kernel(M.EXTEND, LayerSpec(1, 4, 2, 8, 12, scaling=8**-0.5), [rows + 5, 3], [rows, 1], page_size=4,
+                                 dtype=torch.float32, seed=1)
+    assert_close(out, expect, torch.float32)
+    out, expect = run_cpu_kernel(M.TARGET_VERIFY, LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5), [9, 4], [4, 4], page_size=4,
+                                 dtype=torch.float32, seed=2, tree_parents=[[-1, 0, 0, 1], [-1, 0, 1, 1]])
     assert_close(out, expect, torch.float32)
     assert native_calls == [rows + 1]
-    monkeypatch.setattr(cpu_attention, "NATIVE_MAX_ROW_KEY_PAIRS", rows * (rows + 5) - 1)  # a prompt past both bounds
-    out, expect = run_cpu_kernel(M.EXTEND, layer, [rows + 5, 3], [rows, 1], page_size=4, dtype=torch.float32, seed=1)
-    assert_close(out, expect, torch.float32)
-    out, expect = run_cpu_kernel(M.TARGET_VERIFY, layer, [9, 4], [4, 4], page_size=4, dtype=torch.float32, seed=2,
-                                 tree_parents=[[-1, 0, 0, 1], [-1, 0, 1, 1]])
-    assert_close(out, expect, torch.float32)
-    assert native_calls == [rows + 1]
+
+
+@pytest.mark.parametrize("group", [1, 3, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size, window, sinks", [(1, None, False), (16, 70, True), (16, None, True), (3, 130, False)])
+def test_long_prompts_by_tiles_match_the_oracle(group, dtype, page_size, window, sinks, native_calls) -> None:
+    """Prompts long enough for several items and key blocks (tiles of 8 rows, blocks of 64 keys,
+    items of 256 rows): fresh and after a cached prefix, beside a decode row; GQA groups that fill
+    a tile with one token, part of one, or spread it over tokens; windows that end inside a block;
+    on pools whose unwritten rows are NaN and inf."""
+    layer = LayerSpec(0, 2 * group, 2, 32, 16, scaling=32**-0.5, sliding_window=window, has_sinks=sinks)
+    q_lens = [300 // group + 7, 150, 1]
+    kv_lens = [q_lens[0], 150 + 61, 90]
+    out, expect = run_cpu_kernel(M.EXTEND, layer, kv_lens, q_lens, page_size=page_size, dtype=dtype, seed=group * 31 + page_size)
+    assert_close(out, expect, dtype)
+    assert native_calls == [sum(q_lens)]
 
 
 def test_what_it_cannot_read_as_it_is_goes_to_the_torch_kernel(native_calls) -> None:
@@ -196,9 +219,11 @@ def test_a_query_that_needs_gradients_goes_to_the_torch_kernel(native_calls) -> 
     assert native_calls == [5]
 
 
-def test_a_nan_key_reaches_only_the_rows_that_see_it(native_calls) -> None:
-    """A verify block whose second row's key is NaN: row 0 is finite and the oracle's, every later
-    row NaN; and a NaN key outside a row's window (or past it) never reaches it."""
+@pytest.mark.parametrize("poisoned", ["key", "value"])
+def test_a_nan_key_reaches_only_the_rows_that_see_it(poisoned, native_calls) -> None:
+    """A verify block whose second row's key (or value) is NaN: row 0 is finite and the oracle's,
+    every later row NaN; and a NaN key outside a row's window (or past it) never reaches it. The
+    block's 5 rows x 2 query heads go by tiles, whose rows see different keys."""
     backend = CpuBackend()
     pool = backend.create_kv_pool(KVPoolSpec(1, 128, 16, 2, 32, 32, torch.float32))
     kernel = backend.create_attention(pool)
@@ -210,15 +235,17 @@ def test_a_nan_key_reaches_only_the_rows_that_see_it(native_calls) -> None:
         pool.k_buffer(0)[1, :6] = torch.randn(6, 2, 32, generator=gen)
         pool.v_buffer(0)[1, :6] = torch.randn(6, 2, 32, generator=gen)
         q, k, v = (torch.randn(5, h, 32, generator=gen) for h in (4, 2, 2))
-        k[1] = float("nan")
+        (k if poisoned == "key" else v)[1] = float("nan")
         out = kernel.forward(q, k, v, layer, kernel.plan(md))
-        expect = paged_oracle(q, pool.k_buffer(0), pool.v_buffer(0), md.block_table, md.kv_lens, md.cu_q_lens,
-                              scaling=layer.scaling, sliding_window=window)
+        # the rows that do not see it read the oracle's result on caches where it is 0 (whatever it
+        # is, they do not see it; the oracle weighs every value, a 0 weight times NaN included)
+        clean = [torch.nan_to_num(buffer, nan=0.0) for buffer in (pool.k_buffer(0), pool.v_buffer(0))]
+        expect = paged_oracle(q, *clean, md.block_table, md.kv_lens, md.cu_q_lens, scaling=layer.scaling, sliding_window=window)
         # the NaN key sits at position 7: rows at 6..10 see it from row 1 on, and on a window of 2 rows 1-3 only
         sees = [False, True, True, True, True] if window is None else [False, True, True, True, False]
         assert [bool(out[r].isnan().all()) for r in range(5)] == sees
-        assert all(bool(out[r].isfinite().all()) for r in range(5) if not sees[r])
-        torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5, equal_nan=True)
+        unseen = [r for r in range(5) if not sees[r]]
+        torch.testing.assert_close(out[unseen].double(), expect[unseen], atol=1e-5, rtol=1e-5)
     assert len(native_calls) == 2
 
 
