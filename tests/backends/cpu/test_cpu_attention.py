@@ -5,7 +5,6 @@ decode-sized batches by default, is held to the same oracle in ``test_native_ker
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
