@@ -25,7 +25,7 @@ from hal.errors import UnsupportedConfigError
 from hal.graph import record_updatable_call
 from hal.errors import SpecError
 from hal.metadata import AttentionMetadata
-from hal.plan import ForwardPlan
+from hal.plan import ForwardPlan, call_signature
 from hal.protocols import KVPool
 from hal.spec import LayerSpec
 from hal.validation import validate_attention_call
@@ -69,15 +69,22 @@ class AttentionKernelBase:
         if not isinstance(plan, ForwardPlan):
             raise SpecError(f"{where} takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
         plan.check_usable(self.pool, where)
+        # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
+        plan.check_once(call_signature("attention", q, k, v, layer, sinks, save_kv_cache),
+                        lambda: self._check_call(q, k, v, layer, plan, sinks, save_kv_cache))
+        if save_kv_cache:
+            assert k is not None and v is not None  # validate_attention_call checked them
+            return self._write_and_attend(q, k, v, layer, plan, sinks)
+        return self._attend(q, layer, plan, sinks)
+
+    def _check_call(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, plan: ForwardPlan,
+                    sinks: torch.Tensor | None, save_kv_cache: bool) -> None:
+        """Steps 1 and 2 of ``forward`` (see the module doc), after the plan's own check."""
         validate_attention_call(self.pool, q, k, v, layer, plan.metadata, sinks, save_kv_cache)
         if plan.metadata.tree_mask is not None and not self.serves_trees:
             raise UnsupportedConfigError(f"{type(self).__name__}, layer {layer.layer_id}: this kernel verifies chains; "
                                          "the batch is a draft tree (metadata.tree_mask)")
         self.check_supported(layer, plan.metadata)
-        if save_kv_cache:
-            assert k is not None and v is not None  # validate_attention_call checked them
-            return self._write_and_attend(q, k, v, layer, plan, sinks)
-        return self._attend(q, layer, plan, sinks)
 
     def _write_and_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None

@@ -15,6 +15,7 @@ import torch
 
 from hal.errors import CacheLocationError, KVLayoutError, PoolTooLargeError
 from hal.graph import is_capturing
+from hal.plan import call_signature
 from hal.spec import KVPoolSpec, int_at_least
 
 if TYPE_CHECKING:
@@ -282,7 +283,7 @@ class SplitKVPool:
         ``v`` to, after its checks (for a kernel that writes the rows as it attends)."""
         plan.check_usable(self, f"set_kv_for_forward layer {layer}")
         loc = plan.metadata.out_cache_loc
-        self._validate(layer, loc, k, v)
+        plan.check_once(call_signature("kv-write", layer, k, v), lambda: self._validate(layer, loc, k, v))
         swa = self.is_swa_layer(layer)
         return plan.per_layer_kind(("pool-slots", swa), lambda: self.translate_loc(layer, loc.long()))
 

@@ -13,17 +13,23 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+import torch
+
 from hal.errors import GraphError, SpecError
 from hal.graph import capture_id
 from hal.metadata import AddressedPool, AttentionMetadata, check_metadata_against
+from hal.spec import LayerSpec
 
 T = TypeVar("T")
+
+# What a call signature keeps as it is (hashable, and the same object checks the same way).
+_PLAIN_ARGUMENTS = (bool, int, str, LayerSpec)
 
 
 class ForwardPlan:
     """One forward's metadata, checked against one pool, and what its layers derive from it."""
 
-    __slots__ = ("metadata", "pool", "_capture", "_per_kind")
+    __slots__ = ("metadata", "pool", "_capture", "_per_kind", "_checked")
 
     def __init__(self, metadata: AttentionMetadata, pool: AddressedPool) -> None:
         if not isinstance(metadata, AttentionMetadata):
@@ -33,6 +39,7 @@ class ForwardPlan:
         self.pool = pool
         self._capture = capture_id()
         self._per_kind: dict[Hashable, Any] = {}
+        self._checked: set[Hashable] = set()
 
     def per_layer_kind(self, kind: Hashable, derive: Callable[[], T]) -> T:
         """``derive()`` the first time a layer of ``kind`` asks in this forward; later layers of that
@@ -40,6 +47,16 @@ class ForwardPlan:
         if kind not in self._per_kind:
             self._per_kind[kind] = derive()
         return self._per_kind[kind]  # type: ignore[no-any-return]
+
+    def check_once(self, signature: Hashable | None, check: Callable[[], None]) -> None:
+        """Run ``check`` (which raises or passes by its arguments' types, shapes, dtypes and devices
+        against this plan, see ``call_signature``) the first time a call of ``signature`` comes in
+        this forward; later calls of that signature would pass the same way. A ``signature`` of
+        None is checked every time."""
+        if signature is None or signature not in self._checked:
+            check()
+            if signature is not None:
+                self._checked.add(signature)
 
     def serves(self, metadata: AttentionMetadata, pool: AddressedPool) -> bool:
         """Whether this is the plan for ``metadata`` on ``pool`` now: made from that record for that
@@ -56,3 +73,19 @@ class ForwardPlan:
                 f"{where}: the plan was made outside the graph capture running now; build the plan inside the "
                 "captured forward, so the capture records what it derives"
             )
+
+
+def call_signature(*arguments: Any) -> tuple[Any, ...] | None:
+    """What a call's checks read of its arguments: each tensor's shape, dtype and device, and any
+    other argument as it is (it must be hashable: a ``LayerSpec``, a bool, None); None when a
+    tensor-like argument is not exactly a ``torch.Tensor`` (a subclass or another type is checked
+    at every call)."""
+    signature: list[Any] = []
+    for argument in arguments:
+        if type(argument) is torch.Tensor:
+            signature.append((argument.shape, argument.dtype, argument.device))
+        elif argument is None or type(argument) in _PLAIN_ARGUMENTS:
+            signature.append(argument)
+        else:
+            return None
+    return tuple(signature)

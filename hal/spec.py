@@ -152,7 +152,7 @@ def float_dtype(instance: Any, attribute: attrs.Attribute, value: torch.dtype) -
         )
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of each forward's per-layer caches (ForwardPlan)
 class LayerSpec:
     """One attention layer as the kernel sees it."""
 

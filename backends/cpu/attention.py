@@ -51,38 +51,39 @@ class CpuAttention(AttentionKernelBase):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         # The compiled kernel writes the new rows and attends in one call.
-        caches = self._native_caches(q, layer, plan, sinks, k, v)
-        if caches is not None:
-            slots = self.pool.slots_for_forward(layer.layer_id, plan, k, v)
-            return self._native(q, caches, layer, plan, sinks, write=(slots, k, v))
+        call = self._native_call(q, layer, plan, sinks, k, v)
+        if call is not None:
+            return call(q, write=(self.pool.slots_for_forward(layer.layer_id, plan, k, v), k, v))
         return super()._write_and_attend(q, k, v, layer, plan, sinks)
 
-    def _native_caches(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
-                       *new_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's (K, V) caches when the compiled kernel takes this call: the forward
-        (``_native_serves``), and q, the caches and any new K/V rows as they are, with no gradient
-        to keep; else None."""
+    def _native_call(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
+                     *new_rows: torch.Tensor) -> native.PreparedAttention | None:
+        """The layer's compiled call in this forward (prepared by its first call) when the compiled
+        kernel takes it: the forward (``_native_serves``), the layer's caches and q and any new K/V
+        rows as they are, with no gradient to keep; else None."""
         if not plan.per_layer_kind(("cpu-native", layer.v_head_dim), lambda: self._native_serves(plan, layer.v_head_dim)):
             return None
-        k_cache, v_cache = self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id)
-        if native.reads_rows(q, k_cache, v_cache, *new_rows) and not _needs_grad(q, k_cache, v_cache, sinks, *new_rows):
-            return k_cache, v_cache
-        return None
+        if not native.reads_rows(q, *new_rows) or _needs_grad(q, sinks, *new_rows):
+            return None
+        # sinks by identity: the prepared call holds the tensor, so its id is not reused meanwhile
+        return plan.per_layer_kind(("cpu-native-call", layer, id(sinks)), lambda: self._prepare(layer, plan, sinks))
 
-    def _native(self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], layer: LayerSpec, plan: ForwardPlan,
-                sinks: torch.Tensor | None, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def _prepare(self, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None) -> native.PreparedAttention | None:
+        k_cache, v_cache = self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id)
+        if not native.reads_rows(k_cache, v_cache) or _needs_grad(k_cache, v_cache):
+            return None
         metadata = plan.metadata
-        return native.paged_attention(
-            q, *caches, self.block_table(layer, metadata), metadata.kv_lens, metadata.cu_q_lens, scaling=layer.scaling,
-            sliding_window=layer.sliding_window, sinks=sinks, write=write,
+        return native.PreparedAttention(
+            k_cache, v_cache, self.block_table(layer, metadata), metadata.kv_lens, metadata.cu_q_lens,
+            num_q_heads=layer.num_q_heads, scaling=layer.scaling, sliding_window=layer.sliding_window, sinks=sinks,
         )
 
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        caches = self._native_caches(q, layer, plan, sinks)
-        if caches is not None:
-            return self._native(q, caches, layer, plan, sinks)
+        call = self._native_call(q, layer, plan, sinks)
+        if call is not None:
+            return call(q)
         metadata = plan.metadata
         table = self.block_table(layer, metadata)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)

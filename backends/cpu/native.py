@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -96,11 +97,14 @@ def _load() -> None:
     except (OSError, subprocess.SubprocessError) as error:
         _status = f"unavailable: {error}"
         return
-    function = library.hal_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    function.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
-                         ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, ptr, i32, i32, ptr, i32, ptr, i64, i64, ptr, i64, i64]
-    function.restype = i32
+    library.hal_attention_prepare.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
+                                              ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, i32, i32]
+    library.hal_attention_prepare.restype = ptr
+    library.hal_attention_run.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i32, ptr, i64, i64, ptr, i64, i64]
+    library.hal_attention_run.restype = i32
+    library.hal_attention_release.argtypes = [ptr]
+    library.hal_attention_release.restype = None
     library.hal_paged_attention_tiles.restype = i32
     _library, _status = library, f"in use: {path}, on {threads}"
 
@@ -135,15 +139,82 @@ def reads_lengths(block_table: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: t
     return block_table.dtype == kv_lens.dtype == cu_q_lens.dtype == torch.int32 and block_table.stride(-1) == 1
 
 
-def reads_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *new_rows: torch.Tensor) -> bool:
-    """Whether the kernel reads q, the caches and any new K/V rows to write as they are: one dtype
+def reads_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel reads these tensors (queries, caches, new K/V rows) as they are: one dtype
     it knows, and a unit stride along each head dim (the other strides are passed in)."""
-    dtype = q.dtype
-    if dtype not in _DTYPE_CODES or k_cache.dtype != dtype or v_cache.dtype != dtype:
-        return False
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        return False
-    return all(t.dtype == dtype and t.stride(-1) == 1 for t in new_rows)
+    dtype = tensors[0].dtype
+    return dtype in _DTYPE_CODES and all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
+
+
+class PreparedAttention:
+    """One layer's compiled attention for one forward, prepared once (the cache, the batch's lengths
+    and block table, how the work is split) and run per call with only the query, the new K/V rows
+    and the output changing: what a layer call costs beyond the arithmetic is one short ctypes call.
+    The caller checked the arguments (``validate_attention_call``, ``pool.slots_for_forward``) and
+    that the kernel reads them as they are (``reads_rows``, ``reads_lengths``); the tensors are held
+    here for as long as the preparation lives."""
+
+    __slots__ = ("_handle", "_run", "_held", "_out_shape", "_out_dtype", "_dtype", "__weakref__")
+
+    def __init__(
+        self,
+        k_cache: torch.Tensor,  # [pages + 1, page_size, Hkv, Dk]
+        v_cache: torch.Tensor,  # [pages + 1, page_size, Hkv, Dv]
+        block_table: torch.Tensor,  # [B, max_pages] int32
+        kv_lens: torch.Tensor,  # [B] int32
+        cu_q_lens: torch.Tensor,  # [B + 1] int32
+        *,
+        num_q_heads: int,
+        scaling: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,  # [Hq]
+    ) -> None:
+        assert _library is not None, "PreparedAttention made without available()"
+        assert reads_rows(k_cache, v_cache) and reads_lengths(block_table, kv_lens, cu_q_lens)
+        _, page_size, hkv, dk = k_cache.shape
+        dv = v_cache.shape[-1]
+        dtype = k_cache.dtype
+        # fp32 and bf16 rows are written by the kernel; fp16 ones converted from fp32 afterwards
+        self._out_dtype = dtype if dtype != torch.float16 else torch.float32
+        self._dtype = dtype
+        self._out_shape = (num_q_heads, dv)
+        kv_lens, cu_q_lens = kv_lens.contiguous(), cu_q_lens.contiguous()
+        sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()
+        # held while the preparation lives: the library keeps pointers into them
+        self._held = (k_cache, v_cache, block_table, kv_lens, cu_q_lens, sinks, sink_row)
+        k_strides, v_strides = k_cache.stride(), v_cache.stride()
+        handle = _library.hal_attention_prepare(
+            k_cache.data_ptr(), k_strides[0], k_strides[1], k_strides[2],
+            v_cache.data_ptr(), v_strides[0], v_strides[1], v_strides[2],
+            _DTYPE_CODES[dtype], page_size, num_q_heads, hkv, dk, dv,
+            block_table.data_ptr(), block_table.stride(0), kv_lens.data_ptr(), cu_q_lens.data_ptr(), kv_lens.shape[0],
+            scaling, -1 if sliding_window is None else sliding_window, None if sink_row is None else sink_row.data_ptr(),
+            _DTYPE_CODES[self._out_dtype], torch.get_num_threads(),
+        )
+        if not handle:
+            raise MemoryError("hal's compiled CPU attention could not allocate its plan of the call")
+        self._handle = handle
+        self._run = _library.hal_attention_run
+        weakref.finalize(self, _library.hal_attention_release, handle)
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hq, Dk]
+        write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (slots [N] int64, k [N, Hkv, Dk], v [N, Hkv, Dv])
+    ) -> torch.Tensor:
+        """``hal.oracle.paged_oracle``'s result for ``q`` in ``q``'s dtype; with ``write``, first
+        ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for each ``slots[i]``."""
+        out = torch.empty((q.shape[0], *self._out_shape), dtype=self._out_dtype)
+        if write is None:
+            status = self._run(self._handle, q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), None, 0, None, 0, 0, None, 0, 0)
+        else:
+            slots, k_new, v_new = write  # slots: int64, contiguous (``pool.slots_for_forward``'s)
+            k_strides, v_strides = k_new.stride(), v_new.stride()
+            status = self._run(self._handle, q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), slots.data_ptr(), slots.shape[0],
+                               k_new.data_ptr(), k_strides[0], k_strides[1], v_new.data_ptr(), v_strides[0], v_strides[1])
+        if status != 0:
+            raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")
+        return out if self._out_dtype is self._dtype else out.to(self._dtype)
 
 
 def paged_attention(
@@ -159,43 +230,14 @@ def paged_attention(
     sinks: torch.Tensor | None,  # [Hq]
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (slots [N] int64, k [N, Hkv, Dk], v [N, Hkv, Dv])
 ) -> torch.Tensor:
-    """``hal.oracle.paged_oracle``'s result (chains only, no tree mask) from the compiled kernel, in
-    ``q``'s dtype; with ``write``, first ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for
-    each ``slots[i]`` (slot: page * page_size + offset). The caller checked the arguments
-    (``validate_attention_call``, ``pool.slots_for_forward``) and that the kernel reads them as they
+    """``hal.oracle.paged_oracle``'s result (chains only, no tree mask) from the compiled kernel in
+    one call (``PreparedAttention``, prepared and run once), in ``q``'s dtype; with ``write``,
+    first ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for each ``slots[i]`` (slot: page *
+    page_size + offset). The caller checked the arguments and that the kernel reads them as they
     are (``reads_rows``, ``reads_lengths``)."""
-    assert _library is not None, "paged_attention called without available()"
-    assert reads_rows(q, k_cache, v_cache, *(write or ())[1:]) and reads_lengths(block_table, kv_lens, cu_q_lens)
-    t, hq, dk = q.shape
-    _, page_size, hkv, dv = v_cache.shape
-    q_strides, k_strides, v_strides = q.stride(), k_cache.stride(), v_cache.stride()
-    # fp32 and bf16 rows are written by the kernel; fp16 ones converted from fp32 here
-    out_dtype = q.dtype if q.dtype != torch.float16 else torch.float32
-    out = torch.empty((t, hq, dv), dtype=out_dtype)
-    # held in locals while the kernel runs: a pointer into a temporary would outlive its tensor
-    kv_lens, cu_q_lens = kv_lens.contiguous(), cu_q_lens.contiguous()
-    sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()
-    slots, k_new, v_new = (None, None, None) if write is None else write
-    if slots is not None:
-        assert slots.dtype == torch.int64 and slots.dim() == 1
-        slots = slots.contiguous()
-    status = _library.hal_paged_attention(
-        q.data_ptr(), q_strides[0], q_strides[1],
-        k_cache.data_ptr(), k_strides[0], k_strides[1], k_strides[2],
-        v_cache.data_ptr(), v_strides[0], v_strides[1], v_strides[2],
-        _DTYPE_CODES[q.dtype], page_size, hq, hkv, dk, dv,
-        block_table.data_ptr(), block_table.stride(0), kv_lens.data_ptr(), cu_q_lens.data_ptr(),
-        kv_lens.shape[0], scaling, -1 if sliding_window is None else sliding_window,
-        None if sink_row is None else sink_row.data_ptr(),
-        out.data_ptr(), _DTYPE_CODES[out_dtype], torch.get_num_threads(),
-        None if slots is None else slots.data_ptr(), 0 if slots is None else slots.shape[0],
-        *(_rows_args(k_new) if k_new is not None else (None, 0, 0)), *(_rows_args(v_new) if v_new is not None else (None, 0, 0)),
-    )
-    if status != 0:
-        raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")
-    return out if out_dtype == q.dtype else out.to(q.dtype)
-
-
-def _rows_args(rows: torch.Tensor) -> tuple[int, int, int]:
-    """``[N, heads, dim]`` rows as the kernel takes them: address, token stride, head stride."""
-    return rows.data_ptr(), rows.stride(0), rows.stride(1)
+    assert reads_rows(q, k_cache, v_cache, *(write or ())[1:])
+    prepared = PreparedAttention(k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_q_heads=q.shape[1], scaling=scaling,
+                                 sliding_window=sliding_window, sinks=sinks)
+    if write is not None:
+        write = (write[0].contiguous(), write[1], write[2])
+    return prepared(q, write)

@@ -33,17 +33,17 @@ def recorded_native_calls() -> Iterator[list[int]]:
     """The compiled kernel's calls (their query rows), recorded; the library must have built here."""
     assert native.available(), native.native_status()
     calls: list[int] = []
-    original = native.paged_attention
+    original = native.PreparedAttention.__call__
 
-    def recorded(q, *args, **kwargs):
+    def recorded(self, q, *args, **kwargs):
         calls.append(q.shape[0])
-        return original(q, *args, **kwargs)
+        return original(self, q, *args, **kwargs)
 
-    native.paged_attention = recorded
+    native.PreparedAttention.__call__ = recorded
     try:
         yield calls
     finally:
-        native.paged_attention = original
+        native.PreparedAttention.__call__ = original
 
 
 @pytest.fixture
