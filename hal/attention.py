@@ -16,9 +16,10 @@ A kernel that writes the new K/V as it attends (one call for both) overrides ``_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from hal.errors import UnsupportedConfigError
@@ -47,6 +48,7 @@ class AttentionKernelBase:
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
+        self._layer_kinds: dict[LayerSpec, Hashable] = {}
 
     def plan(self, metadata: AttentionMetadata) -> ForwardPlan:
         """The plan of one forward over this kernel's pool: ``metadata`` checked against the pool
@@ -70,12 +72,35 @@ class AttentionKernelBase:
             raise SpecError(f"{where} takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
         plan.check_usable(self.pool, where)
         # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
-        plan.check_once(call_signature("attention", q, k, v, layer, sinks, save_kv_cache),
+        kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, save_kv_cache)
+        plan.check_once(None if kind is None or signature is None else (signature, kind),
                         lambda: self._check_call(q, k, v, layer, plan, sinks, save_kv_cache))
         if save_kv_cache:
             assert k is not None and v is not None  # validate_attention_call checked them
             return self._write_and_attend(q, k, v, layer, plan, sinks)
         return self._attend(q, layer, plan, sinks)
+
+    def layer_kind(self, layer: LayerSpec) -> Hashable | None:
+        """What a call's checks, and what a kernel prepares per forward, read of a layer besides its
+        id: its spec with the id left out, and the dims and sub-pool of its place in the pool. Layers
+        of one kind are checked once per forward (``ForwardPlan.check_once``) and share what a
+        kernel derives for them (``ForwardPlan.per_layer_kind``). None for anything but a
+        ``LayerSpec`` of a layer the pool holds (then checked at every call, which names the fault)."""
+        if type(layer) is not LayerSpec:
+            return None
+        try:
+            kinds = self._layer_kinds
+        except AttributeError:  # a subclass whose __init__ does not reach this class's
+            kinds = self._layer_kinds = {}
+        kind = kinds.get(layer)
+        if kind is None:
+            spec = self.pool.spec
+            if not 0 <= layer.layer_id < spec.num_layers:
+                return None
+            kind = (attrs.evolve(layer, layer_id=0), spec.layer_dims(layer.layer_id), self.pool.is_swa_layer(layer.layer_id))
+            # one object per kind: the plan's lookups then match by identity, never comparing specs
+            kind = kinds[layer] = next((known for known in kinds.values() if known == kind), kind)
+        return kind
 
     def _check_call(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, plan: ForwardPlan,
                     sinks: torch.Tensor | None, save_kv_cache: bool) -> None:

@@ -63,6 +63,8 @@ class SplitKVPool:
         self._v_rows = [b.view(-1, *b.shape[2:]) for b in self._v_views]
         # Their wide-element views (see copy_rows), keyed by the row view's identity.
         self._wide_views = {id(b): _wide_rows(b) for b in self._k_rows + self._v_rows}
+        # What a write's checks read of its layer (its dims and sub-pool): layers alike are checked once per forward.
+        self._layer_kinds = tuple((spec.layer_dims(i), self._where[i][0]) for i in range(spec.num_layers))
         self.full_to_swa_page: torch.Tensor | None = None
         # A host mirror of the mapping: slot checks read it without a device sync.
         self._full_to_swa_page_host: torch.Tensor | None = None
@@ -283,7 +285,9 @@ class SplitKVPool:
         ``v`` to, after its checks (for a kernel that writes the rows as it attends)."""
         plan.check_usable(self, f"set_kv_for_forward layer {layer}")
         loc = plan.metadata.out_cache_loc
-        plan.check_once(call_signature("kv-write", layer, k, v), lambda: self._validate(layer, loc, k, v))
+        kind = self._layer_kinds[layer] if type(layer) is int and 0 <= layer < len(self._layer_kinds) else None
+        signature = call_signature("kv-write", k, v)
+        plan.check_once(None if kind is None or signature is None else (signature, kind), lambda: self._validate(layer, loc, k, v))
         swa = self.is_swa_layer(layer)
         return plan.per_layer_kind(("pool-slots", swa), lambda: self.translate_loc(layer, loc.long()))
 

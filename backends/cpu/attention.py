@@ -38,6 +38,7 @@ class CpuAttention(AttentionKernelBase):
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
         self._per_thread = threading.local()
+        self._caches: dict[int, native.LayerCaches] = {}  # by layer id: the pool's buffers stay where they are
 
     @property
     def workspace(self) -> GatherWorkspace:
@@ -53,37 +54,38 @@ class CpuAttention(AttentionKernelBase):
         # The compiled kernel writes the new rows and attends in one call.
         call = self._native_call(q, layer, plan, sinks, k, v)
         if call is not None:
-            return call(q, write=(self.pool.slots_for_forward(layer.layer_id, plan, k, v), k, v))
+            prepared, caches = call
+            return prepared(q, caches, sinks, write=(self.pool.slots_for_forward(layer.layer_id, plan, k, v), k, v))
         return super()._write_and_attend(q, k, v, layer, plan, sinks)
 
     def _native_call(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
-                     *new_rows: torch.Tensor) -> native.PreparedAttention | None:
-        """The layer's compiled call in this forward (prepared by its first call) when the compiled
-        kernel takes it: the forward (``_native_serves``), the layer's caches and q and any new K/V
-        rows as they are, with no gradient to keep; else None."""
+                     *new_rows: torch.Tensor) -> tuple[native.PreparedAttention, native.LayerCaches] | None:
+        """The compiled call for this kind of layer in this forward (prepared by the first layer of
+        the kind) and the layer's caches, when the compiled kernel takes the call: the forward
+        (``_native_serves``), and q, the caches and any new K/V rows as they are, with no gradient
+        to keep; else None."""
         if not plan.per_layer_kind(("cpu-native", layer.v_head_dim), lambda: self._native_serves(plan, layer.v_head_dim)):
             return None
-        if not native.reads_rows(q, *new_rows) or _needs_grad(q, sinks, *new_rows):
-            return None
-        # sinks by identity: the prepared call holds the tensor, so its id is not reused meanwhile
-        return plan.per_layer_kind(("cpu-native-call", layer, id(sinks)), lambda: self._prepare(layer, plan, sinks))
-
-    def _prepare(self, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None) -> native.PreparedAttention | None:
-        k_cache, v_cache = self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id)
-        if not native.reads_rows(k_cache, v_cache) or _needs_grad(k_cache, v_cache):
+        caches = self._caches.get(layer.layer_id)
+        if caches is None:
+            caches = self._caches[layer.layer_id] = native.LayerCaches(self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id))
+        if not native.reads_rows(q, caches.k, caches.v, *new_rows) or _needs_grad(q, caches.k, caches.v, sinks, *new_rows):
             return None
         metadata = plan.metadata
-        return native.PreparedAttention(
-            k_cache, v_cache, self.block_table(layer, metadata), metadata.kv_lens, metadata.cu_q_lens,
-            num_q_heads=layer.num_q_heads, scaling=layer.scaling, sliding_window=layer.sliding_window, sinks=sinks,
-        )
+        prepared = plan.per_layer_kind(("cpu-native-call", self.layer_kind(layer)), lambda: native.PreparedAttention(
+            self.block_table(layer, metadata), metadata.kv_lens, metadata.cu_q_lens, dtype=q.dtype, page_size=self.pool.spec.page_size,
+            num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, v_head_dim=layer.v_head_dim,
+            scaling=layer.scaling, sliding_window=layer.sliding_window,
+        ))
+        return prepared, caches
 
     def _attend(
         self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         call = self._native_call(q, layer, plan, sinks)
         if call is not None:
-            return call(q)
+            prepared, caches = call
+            return prepared(q, caches, sinks)
         metadata = plan.metadata
         table = self.block_table(layer, metadata)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)

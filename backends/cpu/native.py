@@ -98,10 +98,10 @@ def _load() -> None:
         _status = f"unavailable: {error}"
         return
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    library.hal_attention_prepare.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
-                                              ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, ptr, i32, i32]
+    library.hal_attention_prepare.argtypes = [i32, i32, i32, i32, i32, i32, ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, i32, i32]
     library.hal_attention_prepare.restype = ptr
-    library.hal_attention_run.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i32, ptr, i64, i64, ptr, i64, i64]
+    library.hal_attention_run.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i32,
+                                          ptr, i64, i64, ptr, i64, i64]
     library.hal_attention_run.restype = i32
     library.hal_attention_release.argtypes = [ptr]
     library.hal_attention_release.restype = None
@@ -146,50 +146,55 @@ def reads_rows(*tensors: torch.Tensor) -> bool:
     return dtype in _DTYPE_CODES and all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
 
 
+class LayerCaches:
+    """One layer's K and V caches (``[pages + 1, page_size, Hkv, D]``, unit stride in D) and the
+    arguments that name them to the library, worked out once."""
+
+    __slots__ = ("k", "v", "arguments")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+        self.arguments = (k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3])
+
+
 class PreparedAttention:
-    """One layer's compiled attention for one forward, prepared once (the cache, the batch's lengths
-    and block table, how the work is split) and run per call with only the query, the new K/V rows
-    and the output changing: what a layer call costs beyond the arithmetic is one short ctypes call.
-    The caller checked the arguments (``validate_attention_call``, ``pool.slots_for_forward``) and
-    that the kernel reads them as they are (``reads_rows``, ``reads_lengths``); the tensors are held
-    here for as long as the preparation lives."""
+    """One kind of layer's compiled attention for one forward, prepared once (the batch's lengths
+    and block table, the heads, dims, scale and window, how the work is split) and run per layer
+    call with the layer's caches, the query, the new K/V rows and the output: what a layer call
+    costs beyond the arithmetic is one ctypes call. The caller checked the arguments
+    (``validate_attention_call``, ``pool.slots_for_forward``) and that the kernel reads them as they
+    are (``reads_rows``, ``reads_lengths``); the metadata tensors are held here for as long as the
+    preparation lives."""
 
     __slots__ = ("_handle", "_run", "_held", "_out_shape", "_out_dtype", "_dtype", "__weakref__")
 
     def __init__(
         self,
-        k_cache: torch.Tensor,  # [pages + 1, page_size, Hkv, Dk]
-        v_cache: torch.Tensor,  # [pages + 1, page_size, Hkv, Dv]
         block_table: torch.Tensor,  # [B, max_pages] int32
         kv_lens: torch.Tensor,  # [B] int32
         cu_q_lens: torch.Tensor,  # [B + 1] int32
         *,
+        dtype: torch.dtype,
+        page_size: int,
         num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
         scaling: float,
         sliding_window: int | None,
-        sinks: torch.Tensor | None,  # [Hq]
     ) -> None:
         assert _library is not None, "PreparedAttention made without available()"
-        assert reads_rows(k_cache, v_cache) and reads_lengths(block_table, kv_lens, cu_q_lens)
-        _, page_size, hkv, dk = k_cache.shape
-        dv = v_cache.shape[-1]
-        dtype = k_cache.dtype
+        assert dtype in _DTYPE_CODES and reads_lengths(block_table, kv_lens, cu_q_lens)
         # fp32 and bf16 rows are written by the kernel; fp16 ones converted from fp32 afterwards
         self._out_dtype = dtype if dtype != torch.float16 else torch.float32
         self._dtype = dtype
-        self._out_shape = (num_q_heads, dv)
+        self._out_shape = (num_q_heads, v_head_dim)
         kv_lens, cu_q_lens = kv_lens.contiguous(), cu_q_lens.contiguous()
-        sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()
-        # held while the preparation lives: the library keeps pointers into them
-        self._held = (k_cache, v_cache, block_table, kv_lens, cu_q_lens, sinks, sink_row)
-        k_strides, v_strides = k_cache.stride(), v_cache.stride()
+        self._held = (block_table, kv_lens, cu_q_lens)  # the library keeps pointers into them
         handle = _library.hal_attention_prepare(
-            k_cache.data_ptr(), k_strides[0], k_strides[1], k_strides[2],
-            v_cache.data_ptr(), v_strides[0], v_strides[1], v_strides[2],
-            _DTYPE_CODES[dtype], page_size, num_q_heads, hkv, dk, dv,
+            _DTYPE_CODES[dtype], page_size, num_q_heads, num_kv_heads, head_dim, v_head_dim,
             block_table.data_ptr(), block_table.stride(0), kv_lens.data_ptr(), cu_q_lens.data_ptr(), kv_lens.shape[0],
-            scaling, -1 if sliding_window is None else sliding_window, None if sink_row is None else sink_row.data_ptr(),
-            _DTYPE_CODES[self._out_dtype], torch.get_num_threads(),
+            scaling, -1 if sliding_window is None else sliding_window, _DTYPE_CODES[self._out_dtype], torch.get_num_threads(),
         )
         if not handle:
             raise MemoryError("hal's compiled CPU attention could not allocate its plan of the call")
@@ -200,18 +205,24 @@ class PreparedAttention:
     def __call__(
         self,
         q: torch.Tensor,  # [T, Hq, Dk]
+        caches: LayerCaches,
+        sinks: torch.Tensor | None = None,  # [Hq]
         write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (slots [N] int64, k [N, Hkv, Dk], v [N, Hkv, Dv])
     ) -> torch.Tensor:
-        """``hal.oracle.paged_oracle``'s result for ``q`` in ``q``'s dtype; with ``write``, first
-        ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for each ``slots[i]``."""
+        """``hal.oracle.paged_oracle``'s result for ``q`` over the layer's ``caches``, in ``q``'s dtype;
+        with ``write``, first ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for each
+        ``slots[i]`` (int64, contiguous: ``pool.slots_for_forward``'s)."""
         out = torch.empty((q.shape[0], *self._out_shape), dtype=self._out_dtype)
+        sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()  # held until the call returns
         if write is None:
-            status = self._run(self._handle, q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), None, 0, None, 0, 0, None, 0, 0)
+            new_rows: tuple[int | None, ...] = (None, 0, None, 0, 0, None, 0, 0)
         else:
-            slots, k_new, v_new = write  # slots: int64, contiguous (``pool.slots_for_forward``'s)
-            k_strides, v_strides = k_new.stride(), v_new.stride()
-            status = self._run(self._handle, q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), slots.data_ptr(), slots.shape[0],
-                               k_new.data_ptr(), k_strides[0], k_strides[1], v_new.data_ptr(), v_strides[0], v_strides[1])
+            slots, k_new, v_new = write
+            new_rows = (slots.data_ptr(), slots.shape[0], k_new.data_ptr(), k_new.stride(0), k_new.stride(1), v_new.data_ptr(),
+                        v_new.stride(0), v_new.stride(1))
+        q_strides = q.stride()
+        status = self._run(self._handle, q.data_ptr(), q_strides[0], q_strides[1], out.data_ptr(), *caches.arguments,
+                           None if sink_row is None else sink_row.data_ptr(), *new_rows)
         if status != 0:
             raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")
         return out if self._out_dtype is self._dtype else out.to(self._dtype)
@@ -231,13 +242,15 @@ def paged_attention(
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (slots [N] int64, k [N, Hkv, Dk], v [N, Hkv, Dv])
 ) -> torch.Tensor:
     """``hal.oracle.paged_oracle``'s result (chains only, no tree mask) from the compiled kernel in
-    one call (``PreparedAttention``, prepared and run once), in ``q``'s dtype; with ``write``,
+    one call (a ``PreparedAttention`` prepared and run once), in ``q``'s dtype; with ``write``,
     first ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for each ``slots[i]`` (slot: page *
     page_size + offset). The caller checked the arguments and that the kernel reads them as they
     are (``reads_rows``, ``reads_lengths``)."""
     assert reads_rows(q, k_cache, v_cache, *(write or ())[1:])
-    prepared = PreparedAttention(k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_q_heads=q.shape[1], scaling=scaling,
-                                 sliding_window=sliding_window, sinks=sinks)
+    _, page_size, hkv, dk = k_cache.shape
+    prepared = PreparedAttention(block_table, kv_lens, cu_q_lens, dtype=q.dtype, page_size=page_size, num_q_heads=q.shape[1],
+                                 num_kv_heads=hkv, head_dim=dk, v_head_dim=v_cache.shape[-1], scaling=scaling,
+                                 sliding_window=sliding_window)
     if write is not None:
         write = (write[0].contiguous(), write[1], write[2])
-    return prepared(q, write)
+    return prepared(q, LayerCaches(k_cache, v_cache), sinks, write)

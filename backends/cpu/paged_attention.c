@@ -617,8 +617,9 @@ int hal_paged_attention_tiles(void) {
  * region costs microseconds even with the workers awake. */
 #define MIN_PARALLEL_WORK 2e5
 
-/* One layer's attention for one forward, prepared once: the cache, the batch's lengths and block
- * table, and the call's items. Runs from several threads at once (each run works on its own copy). */
+/* One kind of layer's attention for one forward, prepared once: the batch's lengths and block
+ * table, the heads, dims, scale and window, and the call's items. Each call names the layer's
+ * caches (and sinks). Runs from several threads at once (each run works on its own copy). */
 typedef struct {
     Call call;
     Item *items;
@@ -628,24 +629,19 @@ typedef struct {
 /* The prepared call, or NULL when memory could not be had. The items are split across up to
  * `threads` threads of OpenMP: built with -fopenmp and loaded into a process that has torch's
  * libgomp (the soname matches), that is torch's own worker pool, so an engine's threads are reused
- * rather than joined by more. Built without OpenMP it runs on the calling thread. The tensors
- * pointed to must outlive it. */
+ * rather than joined by more. Built without OpenMP it runs on the calling thread. The lengths and
+ * block table must outlive it. */
 void *hal_attention_prepare(
-    void *k_cache, int64_t k_stride_page, int64_t k_stride_slot, int64_t k_stride_head,
-    void *v_cache, int64_t v_stride_page, int64_t v_stride_slot, int64_t v_stride_head,
     int dtype, int page_size, int q_heads, int kv_heads, int qk_dim, int v_dim,
     const int32_t *block_table, int64_t table_stride, const int32_t *kv_lens, const int32_t *cu_q_lens, int batch,
-    float scaling, int window, const float *sinks, /* [Hq] fp32, or NULL */
-    int out_dtype, /* fp32 or bf16 */
+    float scaling, int window, int out_dtype, /* fp32 or bf16 */
     int threads) {
     Prepared *prepared = malloc(sizeof *prepared);
     if (!prepared) return NULL;
     prepared->call = (Call){
-        .k_cache = k_cache, .v_cache = v_cache, .k_stride_page = k_stride_page, .k_stride_slot = k_stride_slot,
-        .k_stride_head = k_stride_head, .v_stride_page = v_stride_page, .v_stride_slot = v_stride_slot, .v_stride_head = v_stride_head,
         .dtype = dtype, .page_size = page_size, .q_heads = q_heads, .kv_heads = kv_heads, .qk_dim = qk_dim, .v_dim = v_dim,
         .group = q_heads / kv_heads, .max_keys = 1, .block_table = block_table, .kv_lens = kv_lens, .cu_q_lens = cu_q_lens,
-        .table_stride = table_stride, .scaling = scaling, .window = window, .sinks = sinks, .out_dtype = out_dtype,
+        .table_stride = table_stride, .scaling = scaling, .window = window, .out_dtype = out_dtype,
     };
     Call *c = &prepared->call;
     double multiply_adds = 0.0;
@@ -670,24 +666,30 @@ void hal_attention_release(void *prepared) {
     free(prepared);
 }
 
-/* Runs a prepared call on q ([T, Hq, Dk], unit stride in Dk) into out ([T, Hq, Dv] contiguous, of
- * the prepared dtype). With slots, first writes row i of k_new and v_new ([n_slots, Hkv, Dk|Dv],
- * unit stride in the head dim) at cache slot slots[i] (page slots[i] / page_size), so one call
- * writes the forward's keys and attends. Returns 0, or -1 when scratch memory could not be had
- * (after the write, if any). */
+/* Runs a prepared call for one layer: q ([T, Hq, Dk], unit stride in Dk) over the layer's caches
+ * (pages x slots x heads x dim, unit stride in dim) into out ([T, Hq, Dv] contiguous, of the
+ * prepared dtype). With slots, first writes row i of k_new and v_new ([n_slots, Hkv, Dk|Dv], unit
+ * stride in the head dim) at cache slot slots[i] (page slots[i] / page_size), so one call writes
+ * the forward's keys and attends. Returns 0, or -1 when scratch memory could not be had (after
+ * the write, if any). */
 int hal_attention_run(
     const void *prepared, const void *q, int64_t q_stride_token, int64_t q_stride_head, void *out,
+    void *k_cache, int64_t k_stride_page, int64_t k_stride_slot, int64_t k_stride_head,
+    void *v_cache, int64_t v_stride_page, int64_t v_stride_slot, int64_t v_stride_head,
+    const float *sinks, /* [Hq] fp32, or NULL */
     const int64_t *slots, int n_slots, /* NULL, or where the new rows go */
     const void *k_new, int64_t k_new_stride_token, int64_t k_new_stride_head,
     const void *v_new, int64_t v_new_stride_token, int64_t v_new_stride_head) {
     const Prepared *p = prepared;
     Call c = p->call;
-    c.q = q, c.q_stride_token = q_stride_token, c.q_stride_head = q_stride_head, c.out = out;
+    c.q = q, c.q_stride_token = q_stride_token, c.q_stride_head = q_stride_head, c.out = out, c.sinks = sinks;
+    c.k_cache = k_cache, c.k_stride_page = k_stride_page, c.k_stride_slot = k_stride_slot, c.k_stride_head = k_stride_head;
+    c.v_cache = v_cache, c.v_stride_page = v_stride_page, c.v_stride_slot = v_stride_slot, c.v_stride_head = v_stride_head;
     if (slots) {
-        write_rows((char *)c.k_cache, c.k_stride_page, c.k_stride_slot, c.k_stride_head, c.page_size, k_new, k_new_stride_token,
-                   k_new_stride_head, slots, n_slots, c.kv_heads, c.qk_dim, element_size(c.dtype));
-        write_rows((char *)c.v_cache, c.v_stride_page, c.v_stride_slot, c.v_stride_head, c.page_size, v_new, v_new_stride_token,
-                   v_new_stride_head, slots, n_slots, c.kv_heads, c.v_dim, element_size(c.dtype));
+        write_rows(k_cache, k_stride_page, k_stride_slot, k_stride_head, c.page_size, k_new, k_new_stride_token, k_new_stride_head,
+                   slots, n_slots, c.kv_heads, c.qk_dim, element_size(c.dtype));
+        write_rows(v_cache, v_stride_page, v_stride_slot, v_stride_head, c.page_size, v_new, v_new_stride_token, v_new_stride_head,
+                   slots, n_slots, c.kv_heads, c.v_dim, element_size(c.dtype));
     }
     int failed = 0;
     if (p->threads == 1) { /* no parallel region at all: even an inactive one costs a microsecond or two */
