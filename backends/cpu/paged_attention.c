@@ -140,19 +140,41 @@ typedef struct {
     int row_len;
 } Scratch;
 
-static int scratch_alloc(const Call *c, Scratch *s) {
-    s->scores = malloc(sizeof(float) * (size_t)c->group * (size_t)c->max_keys);
-    s->queries = malloc(sizeof(float) * (size_t)c->group * (size_t)c->qk_dim);
-    s->acc = malloc(sizeof(float) * (size_t)c->group * (size_t)c->v_dim);
-    s->row_len = c->qk_dim > c->v_dim ? c->qk_dim : c->v_dim;
-    s->rows = malloc(sizeof(float) * 4 * (size_t)s->row_len);
-    s->k_rows = malloc(sizeof(char *) * (size_t)c->max_keys);
-    s->v_rows = malloc(sizeof(char *) * (size_t)c->max_keys);
-    return s->scores && s->queries && s->acc && s->rows && s->k_rows && s->v_rows ? 0 : -1;
+/* Scratch memory of the calling thread, kept between calls (OpenMP's workers and the caller live
+ * on) and grown when a call needs more: no allocation per call. */
+typedef struct {
+    char *base;
+    size_t bytes;
+} Arena;
+
+static size_t aligned_bytes(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+/* Carves the arena into n parts of the given sizes (64-byte aligned); -1 when memory could not be had. */
+static int arena_parts(Arena *arena, const size_t *sizes, int n, void **parts) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += aligned_bytes(sizes[i]);
+    if (total > arena->bytes) {
+        free(arena->base);
+        arena->base = aligned_alloc(64, total > 0 ? total : 64);
+        arena->bytes = arena->base ? total : 0;
+        if (!arena->base) return -1;
+    }
+    char *at = arena->base;
+    for (int i = 0; i < n; i++) parts[i] = at, at += aligned_bytes(sizes[i]);
+    return 0;
 }
 
-static void scratch_free(Scratch *s) {
-    free(s->scores), free(s->queries), free(s->acc), free(s->rows), free((void *)s->k_rows), free((void *)s->v_rows);
+static _Thread_local Arena row_arena;
+
+static int scratch_alloc(const Call *c, Scratch *s) {
+    const size_t group = (size_t)c->group, keys = (size_t)c->max_keys;
+    s->row_len = c->qk_dim > c->v_dim ? c->qk_dim : c->v_dim;
+    const size_t sizes[] = {group * keys * 4, group * (size_t)c->qk_dim * 4, group * (size_t)c->v_dim * 4, 4 * (size_t)s->row_len * 4,
+                            keys * sizeof(char *), keys * sizeof(char *)};
+    void *parts[6];
+    if (arena_parts(&row_arena, sizes, 6, parts) != 0) return -1;
+    s->scores = parts[0], s->queries = parts[1], s->acc = parts[2], s->rows = parts[3], s->k_rows = parts[4], s->v_rows = parts[5];
+    return 0;
 }
 
 /* k_rows[j] and v_rows[j] for keys first..last of a request (pages: its block-table row) on one
@@ -314,12 +336,7 @@ typedef struct {
     Scratch located;      /* k_rows, v_rows */
 } TileScratch;
 
-/* The calling thread's tile scratch, kept between calls (OpenMP's workers and the caller live on),
- * grown when a call needs more. NULL when memory could not be had. */
-static _Thread_local char *tile_arena;
-static _Thread_local size_t tile_arena_bytes;
-
-static size_t aligned_bytes(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+static _Thread_local Arena tile_arena;
 
 static int tile_scratch(const Call *c, TileScratch *t) {
     const size_t keys = (size_t)c->max_keys, dk = (size_t)c->qk_dim, dv = (size_t)c->v_dim;
@@ -327,17 +344,8 @@ static int tile_scratch(const Call *c, TileScratch *t) {
         (keys + 15) * dk * 4, c->dtype == HAL_F32 ? 0 : keys * dv * 4, keys * sizeof(float *), dk * TILE_ROWS * 4,
         KEY_BLOCK * TILE_ROWS * 4, TILE_ROWS * dv * 4, dk * 4, keys * sizeof(char *), keys * sizeof(char *),
     };
-    size_t total = 0;
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += aligned_bytes(sizes[i]);
-    if (total > tile_arena_bytes) {
-        free(tile_arena);
-        tile_arena = aligned_alloc(64, total);
-        tile_arena_bytes = tile_arena ? total : 0;
-        if (!tile_arena) return -1;
-    }
-    char *at = tile_arena;
     void *parts[9];
-    for (size_t i = 0; i < 9; i++) parts[i] = at, at += aligned_bytes(sizes[i]);
+    if (arena_parts(&tile_arena, sizes, 9, parts) != 0) return -1;
     t->keys = parts[0], t->values = parts[1], t->values_f32 = parts[2], t->queries = parts[3], t->scores = parts[4];
     t->acc = parts[5], t->row = parts[6], t->located.k_rows = parts[7], t->located.v_rows = parts[8];
     return 0;
@@ -600,7 +608,6 @@ static int attend_items(const Call *c, const Item *items, int count) {
         else failed = 1;
 #endif
     }
-    scratch_free(&scratch);
     return failed ? -1 : 0;
 }
 
