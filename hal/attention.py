@@ -65,20 +65,29 @@ class AttentionKernelBase:
         save_kv_cache: bool = True,
         *,
         sinks: torch.Tensor | None = None,  # [num_q_heads], when layer.has_sinks
+        out: torch.Tensor | None = None,  # [T, num_q_heads, v_head_dim], q's dtype and device
     ) -> torch.Tensor:  # [T, num_q_heads, v_head_dim]
-        """Validate, check support, write the new K/V, then attend over the paged cache."""
+        """Validate, check support, write the new K/V, then attend over the paged cache; the result
+        lands in ``out`` when given (written there by a kernel that can, ``_attend_into``, else
+        copied), which is returned."""
         where = f"{type(self).__name__}.forward"
         if not isinstance(plan, ForwardPlan):
             raise SpecError(f"{where} takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
         plan.check_usable(self.pool, where)
         # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
-        kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, save_kv_cache)
+        kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, out, save_kv_cache)
         plan.check_once(None if kind is None or signature is None else (signature, kind),
-                        lambda: self._check_call(q, k, v, layer, plan, sinks, save_kv_cache))
+                        lambda: self._check_call(q, k, v, layer, plan, sinks, save_kv_cache, out))
+        if out is not None and not out.is_contiguous():  # strides are not in the signature
+            raise SpecError(f"{where}, layer {layer.layer_id}: out must be contiguous, got strides {out.stride()}")
         if save_kv_cache:
             assert k is not None and v is not None  # validate_attention_call checked them
-            return self._write_and_attend(q, k, v, layer, plan, sinks)
-        return self._attend(q, layer, plan, sinks)
+            result = self._write_and_attend(q, k, v, layer, plan, sinks, out)
+        else:
+            result = self._attend_into(q, layer, plan, sinks, out)
+        if out is None or result is out:
+            return result
+        return out.copy_(result.view(out.shape))
 
     def layer_kind(self, layer: LayerSpec) -> Hashable | None:
         """What a call's checks, and what a kernel prepares per forward, read of a layer besides its
@@ -103,19 +112,32 @@ class AttentionKernelBase:
         return kind
 
     def _check_call(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, plan: ForwardPlan,
-                    sinks: torch.Tensor | None, save_kv_cache: bool) -> None:
+                    sinks: torch.Tensor | None, save_kv_cache: bool, out: torch.Tensor | None) -> None:
         """Steps 1 and 2 of ``forward`` (see the module doc), after the plan's own check."""
         validate_attention_call(self.pool, q, k, v, layer, plan.metadata, sinks, save_kv_cache)
+        if out is not None:
+            expected = (q.shape[0], layer.num_q_heads, layer.v_head_dim)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected or out.dtype != q.dtype or out.device != q.device:
+                got = f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise SpecError(f"layer {layer.layer_id}: out must be a {q.dtype} tensor of shape {expected} on {q.device}, got {got}")
         if plan.metadata.tree_mask is not None and not self.serves_trees:
             raise UnsupportedConfigError(f"{type(self).__name__}, layer {layer.layer_id}: this kernel verifies chains; "
                                          "the batch is a draft tree (metadata.tree_mask)")
         self.check_supported(layer, plan.metadata)
 
     def _write_and_attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The new K/V into the layer's cache, then ``_attend``."""
+        """The new K/V into the layer's cache, then ``_attend_into``."""
         self.pool.set_kv_for_forward(layer.layer_id, plan, k, v)
+        return self._attend_into(q, layer, plan, sinks, out)
+
+    def _attend_into(
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``_attend``, written into ``out`` where the kernel can (a kernel that can overrides this
+        and returns ``out``); what it returns otherwise is copied there by ``forward``."""
         return self._attend(q, layer, plan, sinks)
 
     @classmethod

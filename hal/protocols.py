@@ -115,8 +115,11 @@ class AttentionKernel(Protocol):
         save_kv_cache: bool = True,
         *,
         sinks: torch.Tensor | None = None,  # [num_q_heads], when layer.has_sinks
+        out: torch.Tensor | None = None,  # [T, num_q_heads, v_head_dim], q's dtype and device: written and returned
     ) -> torch.Tensor:  # [T, num_q_heads, v_head_dim]
-        """Write the new K/V (when ``save_kv_cache``) and attend over the paged cache."""
+        """Write the new K/V (when ``save_kv_cache``) and attend over the paged cache, into ``out``
+        when given (an engine's preallocated output: no new tensor, no copy where the kernel writes
+        there itself)."""
         ...
 
     def updatable_params(self, metadata: AttentionMetadata, layer: LayerSpec) -> Mapping[str, Any]:

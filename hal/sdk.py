@@ -10,7 +10,8 @@ Adding a backend (device type ``mydev``; ``tests/tools/oot_backend/site/hal_oot_
    before anything is built, and ``forward`` (which validates every argument) raises it as an
    ``UnsupportedConfigError`` before writing K/V, then calls ``_attend`` (an op that writes the new
    K/V as it attends overrides ``_write_and_attend`` and asks ``pool.slots_for_forward`` where the
-   rows go). Route SWA layers with
+   rows go; one that writes its result into the caller's ``out`` overrides ``_attend_into``, else
+   ``forward`` copies it there). Route SWA layers with
    ``self.block_table(layer, plan.metadata)``; what you derive from the metadata for a kind of
    layer goes in ``plan.per_layer_kind`` (once per forward). Set ``seq_len_fill_value``. Verify
    batches over draft trees (``metadata.tree_mask``, ``hal.tree``; ``tree_depths`` gives positions)

@@ -49,14 +49,24 @@ class CpuAttention(AttentionKernelBase):
         return workspace
 
     def _write_and_attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # The compiled kernel writes the new rows and attends in one call.
+        # The compiled kernel writes the new rows and attends in one call, into out.
         call = self._native_call(q, layer, plan, sinks, k, v)
         if call is not None:
             prepared, caches = call
-            return prepared(q, caches, sinks, write=(self.pool.slots_for_forward(layer.layer_id, plan, k, v), k, v))
-        return super()._write_and_attend(q, k, v, layer, plan, sinks)
+            return prepared(q, caches, sinks, write=(self.pool.slots_for_forward(layer.layer_id, plan, k, v), k, v), out=out)
+        return super()._write_and_attend(q, k, v, layer, plan, sinks, out)
+
+    def _attend_into(
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        call = self._native_call(q, layer, plan, sinks)
+        if call is not None:
+            prepared, caches = call
+            return prepared(q, caches, sinks, out=out)
+        return self._attend(q, layer, plan, sinks)
 
     def _native_call(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
                      *new_rows: torch.Tensor) -> tuple[native.PreparedAttention, native.LayerCaches] | None:

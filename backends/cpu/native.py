@@ -208,11 +208,13 @@ class PreparedAttention:
         caches: LayerCaches,
         sinks: torch.Tensor | None = None,  # [Hq]
         write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (slots [N] int64, k [N, Hkv, Dk], v [N, Hkv, Dv])
+        out: torch.Tensor | None = None,  # [T, Hq, Dv] contiguous, q's dtype
     ) -> torch.Tensor:
-        """``hal.oracle.paged_oracle``'s result for ``q`` over the layer's ``caches``, in ``q``'s dtype;
-        with ``write``, first ``k_cache[slot] = k[i]`` and ``v_cache[slot] = v[i]`` for each
-        ``slots[i]`` (int64, contiguous: ``pool.slots_for_forward``'s)."""
-        out = torch.empty((q.shape[0], *self._out_shape), dtype=self._out_dtype)
+        """``hal.oracle.paged_oracle``'s result for ``q`` over the layer's ``caches``, in ``q``'s dtype,
+        written into ``out`` when given (and returned); with ``write``, first ``k_cache[slot] = k[i]``
+        and ``v_cache[slot] = v[i]`` for each ``slots[i]`` (int64, contiguous: ``pool.slots_for_forward``'s)."""
+        into = out if out is not None and out.dtype is self._out_dtype else None  # fp16 goes through fp32
+        result = into if into is not None else torch.empty((q.shape[0], *self._out_shape), dtype=self._out_dtype)
         sink_row = None if sinks is None else sinks.to(torch.float32).contiguous()  # held until the call returns
         if write is None:
             new_rows: tuple[int | None, ...] = (None, 0, None, 0, 0, None, 0, 0)
@@ -221,11 +223,15 @@ class PreparedAttention:
             new_rows = (slots.data_ptr(), slots.shape[0], k_new.data_ptr(), k_new.stride(0), k_new.stride(1), v_new.data_ptr(),
                         v_new.stride(0), v_new.stride(1))
         q_strides = q.stride()
-        status = self._run(self._handle, q.data_ptr(), q_strides[0], q_strides[1], out.data_ptr(), *caches.arguments,
+        status = self._run(self._handle, q.data_ptr(), q_strides[0], q_strides[1], result.data_ptr(), *caches.arguments,
                            None if sink_row is None else sink_row.data_ptr(), *new_rows)
         if status != 0:
             raise MemoryError("hal's compiled CPU attention could not allocate its scratch rows")
-        return out if self._out_dtype is self._dtype else out.to(self._dtype)
+        if result is into:
+            return result
+        if out is not None:
+            return out.copy_(result)
+        return result if self._out_dtype is self._dtype else result.to(self._dtype)
 
 
 def paged_attention(

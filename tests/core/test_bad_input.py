@@ -86,8 +86,9 @@ class World:
         return [b.detach().cpu().clone() for layer in range(2) for b in (self.pool.k_buffer(layer), self.pool.v_buffer(layer))]
 
     def forward_swa(self, **overrides: Any) -> torch.Tensor:
-        args = {"q": self.q, "k": self.k, "v": self.v, "layer": SWA, "metadata": self.md, "sinks": self.sinks, **overrides}
-        return self.attn.forward(args["q"], args["k"], args["v"], args["layer"], self.attn.plan(args["metadata"]), sinks=args["sinks"])
+        args = {"q": self.q, "k": self.k, "v": self.v, "layer": SWA, "metadata": self.md, "sinks": self.sinks, "out": None, **overrides}
+        return self.attn.forward(args["q"], args["k"], args["v"], args["layer"], self.attn.plan(args["metadata"]), sinks=args["sinks"],
+                                 out=args["out"])
 
     def runner(self) -> GraphRunner:
         inputs = {"q": ((HQ, D), self.q.dtype), "k": ((2, D), self.k.dtype), "v": ((2, D), self.v.dtype)}
@@ -418,6 +419,10 @@ MUTATIONS: dict[str, Callable[[World, Any], tuple[Callable[[], Any], type[HalErr
     "page size": lambda w, _: (lambda: w.forward_swa(metadata=attrs.evolve(w.md, page_size=PAGE * 2)), SpecError, f"page_size={PAGE * 2}"),
     "set_kv slot": lambda w, n: (lambda: w.pool.set_kv(1, torch.tensor([3 * PAGE, 50 * PAGE + n], device=w.pool.device), w.k, w.v), CacheLocationError, f"cache location {50 * PAGE + n}"),
     "set_kv float loc": lambda w, _: (lambda: w.pool.set_kv(1, torch.tensor([16.0, 17.0], device=w.pool.device), w.k, w.v), KVLayoutError, "loc must be a 1-D int32/int64 tensor, got torch.float32"),
+    "out shape": lambda w, n: (lambda: w.forward_swa(out=torch.empty(2, HQ, D + n + 1, dtype=w.q.dtype, device=w.q.device)), SpecError, f"out must be a {w.q.dtype} tensor of shape (2, {HQ}, {D}) on {w.q.device}, got a {w.q.dtype} tensor of shape (2, {HQ}, {D + n + 1})"),
+    "out dtype": lambda w, _: (lambda: w.forward_swa(out=torch.empty(2, HQ, D, dtype=_bad_dtype(w), device=w.q.device)), SpecError, f"got a {_bad_dtype(w)} tensor"),
+    "out strided": lambda w, n: (lambda: w.forward_swa(out=torch.empty(2, HQ, D * (n + 2), dtype=w.q.dtype, device=w.q.device)[..., :D]), SpecError, "out must be contiguous"),
+    "out type": lambda w, _: (lambda: w.forward_swa(out=[0.0]), SpecError, "got list"),
     "set_kv dtype": lambda w, _: (lambda: w.pool.set_kv(0, torch.tensor([16, 17], device=w.pool.device), w.k[:, :1].to(_bad_dtype(w)), w.v[:, :1]), KVLayoutError, f"k has dtype {_bad_dtype(w)}"),
 }  # fmt: skip
 GRAPH_MUTATIONS = ("slot above", "slot negative", "slot unmapped", "page id")
@@ -473,6 +478,19 @@ def test_strided_and_stride_zero_inputs_compute_like_contiguous_ones(backends: d
     got = world.forward_swa(q=wide, k=k0)
     expect = twin.forward_swa(q=wide.contiguous(), k=k0.contiguous())
     assert torch.equal(got, expect)
+    assert all(torch.equal(a, b) for a, b in zip(world.snapshot(), twin.snapshot()))
+
+
+@pytest.mark.parametrize("name", ["cpu", "npu", "cuda"])
+def test_out_receives_the_result_on_every_backend(backends: dict[str, Any], name: str) -> None:
+    """Not bad input: ``out`` (an engine's preallocated rows) gets what the call returns without
+    it, and is what the call returns; the K/V writes are the same."""
+    world, twin = World.build(backends[name]), World.build(backends[name])
+    out = torch.full((2, HQ, D), float("nan"), dtype=world.q.dtype, device=world.q.device)
+    got = world.forward_swa(out=out)
+    expect = twin.forward_swa()
+    assert got is out
+    assert torch.equal(out, expect)
     assert all(torch.equal(a, b) for a, b in zip(world.snapshot(), twin.snapshot()))
 
 

@@ -324,14 +324,14 @@ class HalAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         if query.shape[0] != n:  # rows past the batch's tokens (padding): not attended
             query, key, value = query[:n], key[:n], value[:n]
-        out = attn_metadata.kernel.forward(
+        rows = output if output.shape[0] == n else output[:n]
+        attn_metadata.kernel.forward(
             query.view(n, spec.num_q_heads, spec.head_dim),
             key.view(n, spec.num_kv_heads, spec.head_dim),
             value.view(n, spec.num_kv_heads, spec.v_head_dim),
             spec,
             attn_metadata.plan,
             sinks=self.sinks,
+            out=rows.view(n, spec.num_q_heads, spec.v_head_dim),  # vLLM's output rows: written in place
         )
-        rows = output if output.shape[0] == n else output[:n]
-        rows.copy_(out.view(rows.shape))
         return output

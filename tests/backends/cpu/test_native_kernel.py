@@ -352,3 +352,29 @@ def test_with_openmp_the_kernel_uses_torchs_libgomp_not_a_second_runtime() -> No
         pytest.skip(f"built without OpenMP here: {status}")
     gomp = ast.literal_eval(libraries)
     assert len(gomp) == 1 and gomp[0].startswith(os.path.dirname(torch_file)), gomp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode, q_lens", [(M.DECODE, [1, 1]), (M.EXTEND, [9, 20])])
+def test_out_gets_the_result_in_every_dtype(dtype, mode, q_lens, native_calls) -> None:
+    """``out`` receives what the call returns without it (the compiled kernel writes fp32 and bf16
+    rows there itself; fp16 goes through fp32), decode rows and prompts alike."""
+    kv_lens = [30, 20]
+    results = []
+    for with_out in (False, True):
+        backend = CpuBackend()
+        pool = backend.create_kv_pool(KVPoolSpec(1, 128, 16, 2, 32, 32, dtype))
+        kernel = backend.create_attention(pool)
+        layer = LayerSpec(0, 8, 2, 32, 32, 32**-0.5)
+        loc = [p for n, q, base in zip(kv_lens, q_lens, (16, 64)) for p in range(base + n - q, base + n)]
+        md = build_metadata(mode, kv_lens=kv_lens, q_lens=q_lens, page_table=[[1, 2], [4, 5]], out_cache_loc=loc, pool=pool)
+        torch.manual_seed(7)
+        pool.k_buffer(0).normal_(), pool.v_buffer(0).normal_()
+        q, k, v = (torch.randn(sum(q_lens), h, 32, generator=torch.Generator().manual_seed(h)).to(dtype) for h in (8, 2, 3))
+        v = v[:, :2]
+        out = torch.empty(sum(q_lens), 8, 32, dtype=dtype) if with_out else None
+        result = kernel.forward(q, k, v, layer, kernel.plan(md), out=out)
+        assert out is None or result is out
+        results.append(result)
+    assert torch.equal(results[0], results[1])
+    assert native_calls == [sum(q_lens)] * 2
