@@ -1,7 +1,9 @@
-/* The CPU backend's compiled paged attention for batches of few query rows per request (decode,
- * verify, draft steps) and short prompts: hal's masking rule read straight from the paged cache, one pass per
- * request and KV head, with no gather and no per-op dispatch. Built and loaded by
- * hal.backends.cpu.native; held to hal.oracle like the pure-torch kernel.
+/* The CPU backend's compiled paged attention for chains: hal's masking rule read straight from the
+ * paged cache, with no gather and no per-op dispatch. One or two query tokens of a request (decode,
+ * a short verify) go row by row, one pass per request and KV head; more (prompts, verify and draft
+ * blocks) by tiles of eight query rows (see "Prompts and GQA groups" below). Built and loaded by
+ * hal.backends.cpu.native, prepared once per kind of layer and forward (hal_attention_prepare) and
+ * run per layer call (hal_attention_run); held to hal.oracle like the pure-torch kernel.
  *
  * Query row i of request b sits at p = kv_len - q_len + i and sees keys lo..p, lo = max(0, p - W)
  * on a sliding-window layer (W >= 0) and 0 otherwise. Scores and sums are fp32; a sink is one
