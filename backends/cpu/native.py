@@ -97,6 +97,13 @@ def _load() -> None:
     except (OSError, subprocess.SubprocessError) as error:
         _status = f"unavailable: {error}"
         return
+    bind(library)
+    _library, _status = library, f"in use: {path}, on {threads}"
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """The built library with its functions' argument and result types set (ctypes converts each
+    call's arguments by them)."""
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     library.hal_attention_prepare.argtypes = [i32, i32, i32, i32, i32, i32, ptr, i64, ptr, ptr, i32, ctypes.c_float, i32, i32, i32]
     library.hal_attention_prepare.restype = ptr
@@ -106,7 +113,7 @@ def _load() -> None:
     library.hal_attention_release.argtypes = [ptr]
     library.hal_attention_release.restype = None
     library.hal_paged_attention_tiles.restype = i32
-    _library, _status = library, f"in use: {path}, on {threads}"
+    return library
 
 
 def native_status() -> str:

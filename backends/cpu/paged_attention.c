@@ -73,7 +73,7 @@ static inline float exp_nonpositive(float x) {
     return x != x ? x : p * scale;
 }
 
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#if !defined(HAL_NO_LANES) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
 /* Four dot products of 16-lane vectors, their lanes summed by one transposed reduction (four
  * halvings shared by the four sums) instead of four horizontal sums: the vector extensions GCC
  * (12 on) and Clang share, lowered to whatever vector width the CPU has. */
@@ -135,6 +135,9 @@ typedef struct {
     void *out;
     int out_dtype;
 } Call;
+
+/* Tiles (below): query rows per tile, keys per softmax block, rows per item of work. */
+enum { TILE_ROWS = 8, KEY_BLOCK = 64, ROWS_PER_ITEM = 256, PREFETCH_KEYS = 8 };
 
 typedef struct {
     float *scores, *queries, *acc, *rows; /* rows: four rows of row_len floats, for converted K/V rows */
@@ -317,7 +320,6 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
  * score (a select, not arithmetic) and its value is added only to the rows that see it, so a NaN
  * there reaches no row that does not see it. */
 typedef float lanes8 __attribute__((vector_size(32), aligned(4)));
-enum { TILE_ROWS = 8, KEY_BLOCK = 64, ROWS_PER_ITEM = 256, PREFETCH_KEYS = 8 };
 
 static inline lanes8 load8(const float *p) {
     lanes8 v;

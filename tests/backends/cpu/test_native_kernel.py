@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import os
 import subprocess
 import sys
@@ -378,3 +379,22 @@ def test_out_gets_the_result_in_every_dtype(dtype, mode, q_lens, native_calls) -
         results.append(result)
     assert torch.equal(results[0], results[1])
     assert native_calls == [sum(q_lens)] * 2
+
+
+def test_without_vector_extensions_the_library_runs_prompts_row_by_row(tmp_path, monkeypatch, native_calls) -> None:
+    """A compiler without GCC's vector extensions (GCC before 12), stood in for by HAL_NO_LANES:
+    the library builds without tiles, says so, and takes a prompt within the row-by-row bounds,
+    matching the oracle."""
+    monkeypatch.setenv("HAL_CACHE_DIR", str(tmp_path))
+    compiler = os.environ.get("CC") or "cc"
+    try:
+        path = native._build(compiler, (*native._FLAGS, "-fopenmp", "-DHAL_NO_LANES"))
+    except OSError:  # a compiler without OpenMP
+        path = native._build(compiler, (*native._FLAGS, "-DHAL_NO_LANES"))
+    monkeypatch.setattr(native, "_library", native.bind(ctypes.CDLL(str(path))))
+    assert not native.tiles_prompts(8)
+    layer = LayerSpec(1, 4, 2, 8, 8, scaling=8**-0.5, sliding_window=3, has_sinks=True)
+    assert 20 > NATIVE_MAX_QUERY_ROWS and 20 * 30 + 12 * 12 <= NATIVE_MAX_ROW_KEY_PAIRS
+    out, expect = run_cpu_kernel(M.EXTEND, layer, [30, 12], [20, 12], page_size=4, dtype=torch.bfloat16, seed=3)
+    assert_close(out, expect, torch.bfloat16)
+    assert native_calls == [32]
