@@ -22,9 +22,8 @@ from typing import Any
 import attrs
 import torch
 
-from hal.errors import UnsupportedConfigError
+from hal.errors import SpecError, UnsupportedConfigError
 from hal.graph import record_updatable_call
-from hal.errors import SpecError
 from hal.metadata import AttentionMetadata
 from hal.plan import ForwardPlan, call_signature
 from hal.protocols import KVPool
@@ -114,12 +113,7 @@ class AttentionKernelBase:
     def _check_call(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: LayerSpec, plan: ForwardPlan,
                     sinks: torch.Tensor | None, save_kv_cache: bool, out: torch.Tensor | None) -> None:
         """Steps 1 and 2 of ``forward`` (see the module doc), after the plan's own check."""
-        validate_attention_call(self.pool, q, k, v, layer, plan.metadata, sinks, save_kv_cache)
-        if out is not None:
-            expected = (q.shape[0], layer.num_q_heads, layer.v_head_dim)
-            if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected or out.dtype != q.dtype or out.device != q.device:
-                got = f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
-                raise SpecError(f"layer {layer.layer_id}: out must be a {q.dtype} tensor of shape {expected} on {q.device}, got {got}")
+        validate_attention_call(self.pool, q, k, v, layer, plan.metadata, sinks, save_kv_cache, out)
         if plan.metadata.tree_mask is not None and not self.serves_trees:
             raise UnsupportedConfigError(f"{type(self).__name__}, layer {layer.layer_id}: this kernel verifies chains; "
                                          "the batch is a draft tree (metadata.tree_mask)")

@@ -18,12 +18,11 @@ import torch
 from hal.errors import GraphError, SpecError
 from hal.graph import capture_id
 from hal.metadata import AddressedPool, AttentionMetadata, check_metadata_against
-from hal.spec import LayerSpec
 
 T = TypeVar("T")
 
 # What a call signature keeps as it is (hashable, and the same object checks the same way).
-_PLAIN_ARGUMENTS = (bool, int, str, LayerSpec)
+_PLAIN_ARGUMENTS = (bool, int, str)
 
 
 class ForwardPlan:
@@ -77,7 +76,7 @@ class ForwardPlan:
 
 def call_signature(*arguments: Any) -> tuple[Any, ...] | None:
     """What a call's checks read of its arguments: each tensor's shape, dtype and device, and any
-    other argument as it is (it must be hashable: a ``LayerSpec``, a bool, None); None when a
+    other argument as it is (a bool, an int, a str, None); None when a
     tensor-like argument is not exactly a ``torch.Tensor`` (a subclass or another type is checked
     at every call)."""
     signature: list[Any] = []

@@ -19,10 +19,12 @@ def validate_attention_call(
     metadata: AttentionMetadata,
     sinks: torch.Tensor | None,
     save_kv_cache: bool = True,
+    out: torch.Tensor | None = None,
 ) -> None:
     """Raise a typed error naming the first argument that does not fit ``layer``, ``pool`` and
     ``metadata`` (types, shapes, dtypes, devices, SWA routing, slot and page ids). ``k`` and ``v``
-    may be None only when nothing is saved."""
+    may be None only when nothing is saved; ``out``, when given, must take the result (its
+    contiguity is the caller's to check: strides are not part of a call's signature)."""
     if not isinstance(layer, LayerSpec):
         raise SpecError(f"layer must be a hal.LayerSpec, got {type(layer).__name__}")
     if not isinstance(metadata, AttentionMetadata):
@@ -79,4 +81,8 @@ def validate_attention_call(
                 f"layer {layer.layer_id} is an SWA-pool layer but the metadata has no swa_block_table "
                 "(build it with build_metadata(..., pool=pool))"
             )
-
+    if out is not None:
+        expected = (t, layer.num_q_heads, layer.v_head_dim)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected or out.dtype != q.dtype or out.device != q.device:
+            got = f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise SpecError(f"layer {layer.layer_id}: out must be a {q.dtype} tensor of shape {expected} on {q.device}, got {got}")

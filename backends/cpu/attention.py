@@ -66,7 +66,12 @@ class CpuAttention(AttentionKernelBase):
         if call is not None:
             prepared, caches = call
             return prepared(q, caches, sinks, out=out)
-        return self._attend(q, layer, plan, sinks)
+        return self._torch_attend(q, layer, plan, sinks)
+
+    def _attend(
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self._attend_into(q, layer, plan, sinks, None)
 
     def _native_call(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
                      *new_rows: torch.Tensor) -> tuple[native.PreparedAttention, native.LayerCaches] | None:
@@ -89,13 +94,10 @@ class CpuAttention(AttentionKernelBase):
         ))
         return prepared, caches
 
-    def _attend(
+    def _torch_attend(
         self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        call = self._native_call(q, layer, plan, sinks)
-        if call is not None:
-            prepared, caches = call
-            return prepared(q, caches, sinks)
+        """``paged_attention`` (pure torch) over the layer's sub-pool, with an index plan per kind of layer."""
         metadata = plan.metadata
         table = self.block_table(layer, metadata)
         heads, dk, dv = self.pool.spec.layer_dims(layer.layer_id)
