@@ -75,15 +75,15 @@ class AttentionKernelBase:
         plan.check_usable(self.pool, where)
         # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
         kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, out, save_kv_cache)
-        plan.check_once(None if kind is None or signature is None else (signature, kind),
-                        lambda: self._check_call(q, k, v, layer, plan, sinks, save_kv_cache, out))
+        checked_as = None if kind is None or signature is None else (signature, kind)
+        plan.check_once(checked_as, lambda: self._check_call(q, k, v, layer, plan, sinks, save_kv_cache, out))
         if out is not None and not out.is_contiguous():  # strides are not in the signature
             raise SpecError(f"{where}, layer {layer.layer_id}: out must be contiguous, got strides {out.stride()}")
         if save_kv_cache:
             assert k is not None and v is not None  # validate_attention_call checked them
-            result = self._write_and_attend(q, k, v, layer, plan, sinks, out)
+            result = self._write_and_attend(q, k, v, layer, plan, sinks, out, checked_as)
         else:
-            result = self._attend_into(q, layer, plan, sinks, out)
+            result = self._attend_into(q, layer, plan, sinks, out, checked_as)
         if out is None or result is out:
             return result
         return out.copy_(result.view(out.shape))
@@ -121,14 +121,18 @@ class AttentionKernelBase:
 
     def _write_and_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, checked_as: Hashable | None = None,
     ) -> torch.Tensor:
-        """The new K/V into the layer's cache, then ``_attend_into``."""
+        """The new K/V into the layer's cache, then ``_attend_into``. ``checked_as``: the key the
+        call's checks passed under in this plan (its signature and layer kind; None when checked
+        call by call): what a kernel derives for every call of that key may go in
+        ``plan.per_layer_kind`` under it."""
         self.pool.set_kv_for_forward(layer.layer_id, plan, k, v)
-        return self._attend_into(q, layer, plan, sinks, out)
+        return self._attend_into(q, layer, plan, sinks, out, checked_as)
 
     def _attend_into(
-        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None, out: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None, out: torch.Tensor | None,
+        checked_as: Hashable | None = None,
     ) -> torch.Tensor:
         """``_attend``, written into ``out`` where the kernel can (a kernel that can overrides this
         and returns ``out``); what it returns otherwise is copied there by ``forward``."""

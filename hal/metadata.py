@@ -18,6 +18,7 @@ Conventions (shared by every backend):
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -170,6 +171,12 @@ class AttentionMetadata:
         return out
 
 
+# The pool ``build_metadata`` checked a record against (slots and page ids, page size, devices):
+# the plan step for that pool has nothing left to check. Kept beside the record, which stays a
+# plain one: a record made from it (``attrs.evolve``) is another key, checked afresh.
+_CHECKED_FOR: weakref.WeakKeyDictionary[AttentionMetadata, AddressedPool] = weakref.WeakKeyDictionary()
+
+
 def check_metadata_against(metadata: AttentionMetadata, pool: AddressedPool) -> None:
     """Raise a typed error, before anything is written, if ``metadata`` does not fit ``pool``: the
     page size, the devices of its tensors, slots in range (and SWA-mapped on a hybrid pool), page
@@ -179,6 +186,8 @@ def check_metadata_against(metadata: AttentionMetadata, pool: AddressedPool) -> 
     tensors. Inside a graph capture it checks the page size and devices only: a capture reads no
     values on the host, and whoever replays checks each replay's metadata (``GraphRunner.run``, an
     engine adapter's refresh)."""
+    if _CHECKED_FOR.get(metadata) is pool:
+        return
     if metadata.page_size != pool.spec.page_size:
         raise SpecError(f"metadata.page_size={metadata.page_size} but the pool's page_size is {pool.spec.page_size}")
     for name, tensor in metadata.tensors().items():
@@ -212,7 +221,8 @@ def build_metadata(
     it is padded with 0 to ``max_pages`` columns (default: the most any request needs).
     ``pool`` gives the page size, device and page range; with a hybrid SWA pool the SWA block
     table is derived through its mapping. Slots are checked against a pool by the plan step
-    (``AttentionKernel.plan``), once per forward and kernel. ``tree_mask`` (``TARGET_VERIFY``
+    (``AttentionKernel.plan``), once per forward and kernel; built for a pool without an SWA part
+    (its page size, on its device), the record is checked here instead, once. ``tree_mask`` (``TARGET_VERIFY``
     only, ``[B, q_len, q_len]`` bool, e.g. ``hal.tree.tree_mask_from_parents``) makes the verify
     rows a tree: checked by ``hal.tree.check_tree_mask``, positions ``prefix + depth``.
     """
@@ -247,12 +257,13 @@ def build_metadata(
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
         check_readable(out_cache_loc, "build_metadata: out_cache_loc")
-        loc = out_cache_loc.reshape(-1).to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
+        flat = out_cache_loc if out_cache_loc.dim() == 1 else out_cache_loc.reshape(-1)
+        loc = flat.to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
     else:
         loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
     b = len(kv)
     lengths = torch.tensor([*kv, *q, 0, *itertools.accumulate(q)], dtype=torch.int32)  # one host tensor, three views
-    kv_t, q_t, cu = lengths[:b], lengths[b : 2 * b], lengths[2 * b :]
+    kv_t, q_t, cu = lengths.split_with_sizes([b, b, b + 1])
     total = sum(q)
     tree_host = None
     if tree_mask is not None:
@@ -289,9 +300,12 @@ def build_metadata(
         tree_mask=None if tree_host is None else tree_host.to(device, non_blocking=True),
         tree_mask_host=tree_host,
     )
-    if loc.numel() and int(loc.min()) < 0:
-        raise SpecError(f"build_metadata: out_cache_loc has the negative slot {int(loc.min())}, expected slots >= 0")
-    _check_distinct_slots(loc, page_size)
+    _check_slots_written_once(loc, page_size)
+    if pool is not None and pool.spec.swa is None and page_size == pool.spec.page_size and device == pool.device:
+        # What the plan step would check for this pool, with the page ids checked above: done once
+        # here. A hybrid pool's SWA mapping may change before the plan, which checks it then.
+        pool.check_slots(loc, "metadata.out_cache_loc")
+        _CHECKED_FOR[metadata] = pool
     return metadata
 
 
@@ -394,24 +408,30 @@ def _pack_layout(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     return layout
 
 
-def _check_distinct_slots(loc: torch.Tensor, page_size: int) -> None:
-    """Two new tokens written to one slot would leave whichever the kernel happens to write last;
-    only page 0, the padding page, takes any number of writes."""
-    if loc.numel() < 2:
+def _check_slots_written_once(loc: torch.Tensor, page_size: int) -> None:
+    """No negative slot, and no slot written twice: two new tokens written to one slot would leave
+    whichever the kernel happens to write last; only page 0, the padding page, takes any number
+    of writes."""
+    if loc.numel() == 0:
         return
     repeated = None
-    if loc.numel() <= 4096:  # a decode or verify step: a set is cheaper than torch.unique
+    if loc.numel() <= 4096:  # a decode or verify step: a set is cheaper than torch ops
+        slots = loc.tolist()
+        lowest = min(slots)
         seen: set[int] = set()
-        for slot in loc.tolist():
+        for slot in slots:
             if slot >= page_size:
                 if slot in seen:
                     repeated = slot
                     break
                 seen.add(slot)
     else:
-        slots, counts = torch.unique(loc[loc >= page_size], return_counts=True)
-        if bool((counts > 1).any()):
-            repeated = int(slots[counts > 1][0])
+        lowest = int(loc.min())
+        if lowest >= 0:
+            slots_t, counts = torch.unique(loc[loc >= page_size], return_counts=True)
+            if bool((counts > 1).any()):
+                repeated = int(slots_t[counts > 1][0])
+    if lowest < 0:
+        raise SpecError(f"build_metadata: out_cache_loc has the negative slot {lowest}, expected slots >= 0")
     if repeated is not None:
         raise SpecError(f"build_metadata: out_cache_loc writes slot {repeated} more than once (only padding page 0 may repeat)")
-

@@ -5,6 +5,7 @@ that need gradients, and every batch when the library is not in use."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -50,22 +51,22 @@ class CpuAttention(AttentionKernelBase):
 
     def _write_and_attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, checked_as: Hashable | None = None,
     ) -> torch.Tensor:
         # The compiled kernel writes the new rows and attends in one call, into out.
-        call = self._native_call(q, layer, plan, sinks, k, v)
-        if call is not None:
-            prepared, caches = call
-            return prepared(q, caches, sinks, write=(self.pool.slots_for_forward(layer.layer_id, plan, k, v), k, v), out=out)
-        return super()._write_and_attend(q, k, v, layer, plan, sinks, out)
+        route = self._native_route(q, layer, plan, sinks, checked_as, k, v)
+        if route is not None:
+            prepared, slots = route
+            return prepared(q, self._layer_caches(layer.layer_id), sinks, write=(slots, k, v), out=out)
+        return super()._write_and_attend(q, k, v, layer, plan, sinks, out, checked_as)
 
     def _attend_into(
-        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None, out: torch.Tensor | None
+        self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None, out: torch.Tensor | None,
+        checked_as: Hashable | None = None,
     ) -> torch.Tensor:
-        call = self._native_call(q, layer, plan, sinks)
-        if call is not None:
-            prepared, caches = call
-            return prepared(q, caches, sinks, out=out)
+        route = self._native_route(q, layer, plan, sinks, checked_as)
+        if route is not None:
+            return route[0](q, self._layer_caches(layer.layer_id), sinks, out=out)
         return self._torch_attend(q, layer, plan, sinks)
 
     def _attend(
@@ -73,18 +74,31 @@ class CpuAttention(AttentionKernelBase):
     ) -> torch.Tensor:
         return self._attend_into(q, layer, plan, sinks, None)
 
-    def _native_call(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
-                     *new_rows: torch.Tensor) -> tuple[native.PreparedAttention, native.LayerCaches] | None:
-        """The compiled call for this kind of layer in this forward (prepared by the first layer of
-        the kind) and the layer's caches, when the compiled kernel takes the call: the forward
-        (``_native_serves``), and q, the caches and any new K/V rows as they are, with no gradient
-        to keep; else None."""
+    def _layer_caches(self, layer_id: int) -> native.LayerCaches:
+        caches = self._caches.get(layer_id)
+        if caches is None:
+            caches = self._caches[layer_id] = native.LayerCaches(self.pool.k_buffer(layer_id), self.pool.v_buffer(layer_id))
+        return caches
+
+    def _native_route(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None,
+                      checked_as: Hashable | None, *new_rows: torch.Tensor) -> tuple[native.PreparedAttention, torch.Tensor | None] | None:
+        """The compiled call for this kind of layer in this forward and the pool slots the new rows
+        go to (``pool.slots_for_forward``, after its checks), when the compiled kernel takes the
+        call: the forward (``_native_serves``), the layer's caches, and q and the new rows as they
+        are (a unit stride along each head dim), with no gradient to keep; else None. Worked out
+        by the first call of each ``checked_as`` key: every call of that key passes the same way."""
+        if not all(t.stride(-1) == 1 for t in (q, *new_rows)) or _needs_grad(q, sinks, *new_rows):
+            return None
+        if checked_as is None:
+            return self._derive_route(q, layer, plan, new_rows)
+        return plan.per_layer_kind(("cpu-native-route", checked_as), lambda: self._derive_route(q, layer, plan, new_rows))
+
+    def _derive_route(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan,
+                      new_rows: tuple[torch.Tensor, ...]) -> tuple[native.PreparedAttention, torch.Tensor | None] | None:
         if not plan.per_layer_kind(("cpu-native", layer.v_head_dim), lambda: self._native_serves(plan, layer.v_head_dim)):
             return None
-        caches = self._caches.get(layer.layer_id)
-        if caches is None:
-            caches = self._caches[layer.layer_id] = native.LayerCaches(self.pool.k_buffer(layer.layer_id), self.pool.v_buffer(layer.layer_id))
-        if not native.reads_rows(q, caches.k, caches.v, *new_rows) or _needs_grad(q, caches.k, caches.v, sinks, *new_rows):
+        caches = self._layer_caches(layer.layer_id)
+        if not native.reads_rows(q, caches.k, caches.v, *new_rows) or _needs_grad(caches.k, caches.v):
             return None
         metadata = plan.metadata
         prepared = plan.per_layer_kind(("cpu-native-call", self.layer_kind(layer)), lambda: native.PreparedAttention(
@@ -92,7 +106,8 @@ class CpuAttention(AttentionKernelBase):
             num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, v_head_dim=layer.v_head_dim,
             scaling=layer.scaling, sliding_window=layer.sliding_window,
         ))
-        return prepared, caches
+        slots = self.pool.slots_for_forward(layer.layer_id, plan, *new_rows) if new_rows else None
+        return prepared, slots
 
     def _torch_attend(
         self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan, sinks: torch.Tensor | None
