@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import weakref
 from pathlib import Path
 
 import torch
@@ -173,7 +172,7 @@ class PreparedAttention:
     are (``reads_rows``, ``reads_lengths``); the metadata tensors are held here for as long as the
     preparation lives."""
 
-    __slots__ = ("_handle", "_run", "_held", "_out_shape", "_out_dtype", "_dtype", "__weakref__")
+    __slots__ = ("_handle", "_run", "_release", "_held", "_out_shape", "_out_dtype", "_dtype")
 
     def __init__(
         self,
@@ -207,7 +206,13 @@ class PreparedAttention:
             raise MemoryError("hal's compiled CPU attention could not allocate its plan of the call")
         self._handle = handle
         self._run = _library.hal_attention_run
-        weakref.finalize(self, _library.hal_attention_release, handle)
+        self._release = _library.hal_attention_release  # held: module globals may be gone when the last one is freed
+
+    def __del__(self) -> None:
+        # made once per kind of layer per forward: a plain __del__ costs less than a finalizer
+        handle = getattr(self, "_handle", None)
+        if handle:
+            self._release(handle)
 
     def __call__(
         self,
@@ -227,8 +232,9 @@ class PreparedAttention:
             new_rows: tuple[int | None, ...] = (None, 0, None, 0, 0, None, 0, 0)
         else:
             slots, k_new, v_new = write
-            new_rows = (slots.data_ptr(), slots.shape[0], k_new.data_ptr(), k_new.stride(0), k_new.stride(1), v_new.data_ptr(),
-                        v_new.stride(0), v_new.stride(1))
+            k_strides, v_strides = k_new.stride(), v_new.stride()
+            new_rows = (slots.data_ptr(), slots.shape[0], k_new.data_ptr(), k_strides[0], k_strides[1], v_new.data_ptr(),
+                        v_strides[0], v_strides[1])
         q_strides = q.stride()
         status = self._run(self._handle, q.data_ptr(), q_strides[0], q_strides[1], result.data_ptr(), *caches.arguments,
                            None if sink_row is None else sink_row.data_ptr(), *new_rows)

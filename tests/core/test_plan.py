@@ -115,6 +115,24 @@ def test_the_plan_step_checks_slots_against_the_pool() -> None:
         backend.create_attention(pool).plan(unmapped)
 
 
+def test_metadata_built_for_a_pool_is_checked_once_and_only_for_that_pool() -> None:
+    """build_metadata with a pool that has no SWA part checks the record's slots against it then
+    (the plan step for that pool has nothing left to check); another pool's plan, and a record made
+    from the checked one, are checked at the plan step."""
+    backend = CpuBackend()
+    small, large = (backend.create_kv_pool(KVPoolSpec(1, pages * 4, 4, 1, 4, 4)) for pages in (2, 16))
+    with pytest.raises(CacheLocationError, match="cache location 12 out of range"):
+        build_metadata(ForwardMode.DECODE, kv_lens=[1], q_lens=[1], page_table=[[1]], out_cache_loc=[12], pool=small)
+    fits_large = build_metadata(ForwardMode.DECODE, kv_lens=[1], q_lens=[1], page_table=[[1]], out_cache_loc=[40], pool=large)
+    backend.create_attention(large).plan(fits_large)
+    with pytest.raises(CacheLocationError, match="cache location 40 out of range"):
+        backend.create_attention(small).plan(fits_large)
+    fits_small = build_metadata(ForwardMode.DECODE, kv_lens=[1], q_lens=[1], page_table=[[1]], out_cache_loc=[4], pool=small)
+    moved = attrs.evolve(fits_small, out_cache_loc=torch.tensor([40]), out_cache_loc_host=torch.tensor([40]))
+    with pytest.raises(CacheLocationError, match="cache location 40 out of range"):
+        backend.create_attention(small).plan(moved)
+
+
 def test_a_plan_made_before_a_capture_is_refused_inside_it() -> None:
     """The capture would keep what the plan derived as constants: stale on every replay."""
     backend = CpuBackend()
