@@ -10,10 +10,21 @@ Random Qwen3 checkpoints saved by transformers, 2 layers each: ``small`` (4 quer
 the repeats and their range, and each backend's attention time inside the engine, from its last
 repeat: the metadata build per step (vLLM's builder) and one layer's call (KV write and attention),
 averaged apart over decode steps and over the other steps (the prefill).
+
+    .venv-vllm/bin/python benchmarks/vllm_speed.py --attention-step [--models small gqa8] [--kv-lens 64 896] [--threads 1 2]
+
+The attention backends alone, outside the engine, one process: vLLM's ``Attention`` layers built
+with each backend over caches of vLLM's layout, each step's metadata from the backend's own vLLM
+builder over one ``CommonAttentionMetadata``, then the layers' calls; a decode step (4 requests, one
+new token each) and a mixed step (two decode rows, two requests extending by a 16-token chunk),
+after a prefill that writes each backend's history through its own path. Prints each backend's
+build and layer time per step, hal's speed over CPU_ATTN's per step (median and range over
+alternating blocks of steps) and the largest output difference.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import sys
@@ -52,6 +63,102 @@ def attention_cells(timing: dict[str, Any]) -> str:
     return f"{build:.3f} | {decode:.3f} | {other:.2f}"
 
 
+#: tokens a block holds in the attention-step benchmark (the engine runs' block size)
+STEP_BLOCK = 32
+#: (decode rows, chunk rows) of the attention-step benchmark's steps: 4 decode rows; 2 and 2 chunks of 16
+STEPS = {"decode": (1, 1, 1, 1), "mixed": (1, 1, 16, 16)}
+
+
+def bench_attention_step(args: Any) -> int:
+    """hal's and CPU_ATTN's builder and layers on the same steps (see the module doc)."""
+    import time
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from hal.integrations.vllm.attention import HalAttentionBackend
+
+    backends = {"hal": HalAttentionBackend, "CPU_ATTN": CPUAttentionBackend}
+    directory = Path(tempfile.mkdtemp())
+    gen = torch.Generator().manual_seed(0)
+    layer_count, batch = 4, 4
+    print(f"batch {batch}, {layer_count} layers, blocks of {STEP_BLOCK} tokens, medians of {args.repeats} alternating blocks "
+          f"of 50 steps; speed = CPU_ATTN time / hal time per step (> 1: hal is faster)")
+    print("| model | threads | kv length | step | hal build ms | hal layers ms | CPU_ATTN build ms | CPU_ATTN layers ms "
+          "| hal / CPU_ATTN speed, median (range) |\n|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for name in args.models:
+        q_heads, kv_heads, head_dim, _ = MODELS[name]
+        model = checkpoint(name, directory)
+        config = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024, enforce_eager=True,
+                            block_size=STEP_BLOCK).create_engine_config()
+        for history in args.kv_lens:
+            per_request = -(-(history + max(max(rows) for rows in STEPS.values())) // STEP_BLOCK)
+            blocks = 1 + batch * per_request  # block 0: vLLM's null block
+            table = (1 + torch.arange(batch * per_request, dtype=torch.int32)).view(batch, per_request)
+            built: dict[str, tuple[Any, list[Any]]] = {}
+            with set_current_vllm_config(config):
+                for label, backend in backends.items():
+                    layers = [Attention(q_heads, head_dim, head_dim**-0.5, kv_heads, prefix=f"{label}.{name}.{history}.{i}.attn",
+                                        attn_backend=backend) for i in range(layer_count)]
+                    for layer in layers:
+                        layer.kv_cache = torch.zeros(blocks, kv_heads, STEP_BLOCK, 2 * head_dim)
+                    spec = layers[0].get_kv_cache_spec(config)
+                    builder = backend.get_builder_cls()(spec, [layer.layer_name for layer in layers], config, torch.device("cpu"))
+                    built[label] = (builder, layers)
+
+            def common(q_lens: list[int], kv_lens: list[int]) -> Any:
+                starts = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+                positions = [p for q, kv in zip(q_lens, kv_lens) for p in range(kv - q, kv)]
+                slots = torch.tensor([int(table[r, p // STEP_BLOCK]) * STEP_BLOCK + p % STEP_BLOCK
+                                      for r, (q, kv) in enumerate(zip(q_lens, kv_lens)) for p in range(kv - q, kv)])
+                return CommonAttentionMetadata(
+                    query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+                    num_reqs=batch, num_actual_tokens=len(positions), max_query_len=max(q_lens), max_seq_len=max(kv_lens),
+                    block_table_tensor=table, slot_mapping=slots, causal=True,
+                )
+
+            def rows(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return (torch.randn(tokens, q_heads, head_dim, generator=gen), torch.randn(tokens, kv_heads, head_dim, generator=gen),
+                        torch.randn(tokens, kv_heads, head_dim, generator=gen))
+
+            def step(label: str, cm: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+                builder, layers = built[label]
+                begin = time.perf_counter()
+                metadata = builder.build(0, cm)
+                middle = time.perf_counter()
+                outputs = torch.empty(layer_count, q.shape[0], q_heads * head_dim)
+                for layer, output in zip(layers, outputs):
+                    if not backends[label].forward_includes_kv_cache_update:  # CPU_ATTN: vLLM writes the K/V first
+                        layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, cm.slot_mapping)
+                    layer.impl.forward(layer, q, k, v, layer.kv_cache, metadata, output)
+                return middle - begin, time.perf_counter() - middle, outputs
+
+            prefill, prompt_rows = common([history] * batch, [history] * batch), rows(batch * history)
+            worst = max(worst, float((step("hal", prefill, *prompt_rows)[2] - step("CPU_ATTN", prefill, *prompt_rows)[2]).abs().max()))
+            for step_name, q_lens in STEPS.items():
+                cm = common(list(q_lens), [history + q for q in q_lens])
+                new_rows = rows(sum(q_lens))
+                worst = max(worst, float((step("hal", cm, *new_rows)[2] - step("CPU_ATTN", cm, *new_rows)[2]).abs().max()))
+                for threads in args.threads:
+                    torch.set_num_threads(threads)
+                    times: dict[str, list[tuple[float, float]]] = {label: [] for label in backends}
+                    for i in range(args.repeats):
+                        for label in backends if i % 2 == 0 else reversed(list(backends)):
+                            parts = [step(label, cm, *new_rows)[:2] for _ in range(50)]
+                            times[label].append((sum(b for b, _ in parts) / 50, sum(c for _, c in parts) / 50))
+                    ratios = [sum(c) / sum(h) for h, c in zip(times["hal"], times["CPU_ATTN"])]
+                    cells = " | ".join(f"{statistics.median(t[j] for t in times[label]) * 1e3:.3f}" for label in backends for j in (0, 1))
+                    print(f"| {name} | {threads} | {history} | {step_name} | {cells} | {statistics.median(ratios):.2f} "
+                          f"({min(ratios):.2f}-{max(ratios):.2f}) |", flush=True)
+    print(f"largest output difference between the backends: {worst:.2e}")
+    return 0 if worst < 1e-4 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -60,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 896])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attention-step", action="store_true", help="the attention backends alone, outside the engine")
+    parser.add_argument("--kv-lens", type=int, nargs="+", default=[64, 896], help="with --attention-step: the history per request")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --attention-step: torch threads")
     args = parser.parse_args(argv)
+    if args.attention_step:
+        return bench_attention_step(args)
 
     directory = Path(tempfile.mkdtemp())
     rng = random.Random(0)
