@@ -234,7 +234,7 @@ def build_metadata(
     page_size = int_at_least(page_size, 1, "build_metadata: page_size")
     if max_pages is not None:
         max_pages = int_at_least(max_pages, 1, "build_metadata: max_pages")
-    device = torch.device("cpu") if device is None else torch.device(device)
+    device = torch.device("cpu") if device is None else device if isinstance(device, torch.device) else torch.device(device)
     if not isinstance(mode, ForwardMode):
         raise SpecError(f"build_metadata: mode must be a hal.ForwardMode, got {mode!r} ({type(mode).__name__})")
     kv = strict_ints(kv_lens, "build_metadata: kv_lens")
@@ -341,20 +341,21 @@ def _table_from_tensor(
     if pages.shape[0] != len(kv):
         raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")
     pages = pages.cpu()  # the tensor itself when it is on the host: the table below is a copy
-    if pages.numel():
-        lo, hi = (int(x) for x in torch.aminmax(pages))  # one op in the common case; the message below names the row
+    used = pages[:, :width] if pages.shape[1] > width else pages  # the page ids the metadata holds
+    if used.numel():
+        lo, hi = (int(x) for x in torch.aminmax(used))  # one op in the common case; the message below names the row
         if lo < 0 or (last_page is not None and hi > last_page):
-            bad = (pages < 0) if last_page is None else ((pages < 0) | (pages > last_page))
+            bad = (used < 0) if last_page is None else ((used < 0) | (used > last_page))
             row = int(bad.any(1).nonzero()[0])
-            raise SpecError(_bad_page_message(row, pages[row][bad[row]].tolist(), last_page))
+            raise SpecError(_bad_page_message(row, used[row][bad[row]].tolist(), last_page))
     short = [i for i, n in enumerate(need) if pages.shape[1] < n]
     if short:
         i = short[0]
         raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {pages.shape[1]} pages of {page_size}")
-    if pages.shape[1] >= width:  # an engine's table is as wide as its longest request can grow
-        return pages[:, :width].to(torch.int32, memory_format=torch.contiguous_format, copy=True)  # the engine's changes
+    if used.shape[1] == width:  # an engine's table is as wide as its longest request can grow
+        return used.to(torch.int32, memory_format=torch.contiguous_format, copy=True)  # the engine's changes
     table = torch.zeros((len(kv), width), dtype=torch.int32)
-    table[:, : pages.shape[1]] = pages
+    table[:, : used.shape[1]] = used
     return table
 
 

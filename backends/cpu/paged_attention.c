@@ -139,6 +139,16 @@ typedef struct {
 /* Tiles (below): query rows per tile, keys per softmax block, rows per item of work. */
 enum { TILE_ROWS = 8, KEY_BLOCK = 64, ROWS_PER_ITEM = 256, PREFETCH_KEYS = 8 };
 
+/* The row path fetches the key and value rows this many bytes ahead of the ones it reads: a decode
+ * step's keys are seldom in cache (every layer's are read once per step), and pages are scattered,
+ * so the hardware's stream prefetch stops at each page's end. 4 KB: 10-16% off a decode call over
+ * 900 keys not in cache, none on keys in cache (measured at 16 query / 2 KV heads of 128 and 4 / 2 of 32). */
+enum { ROW_PREFETCH_BYTES = 4096 };
+
+static inline void prefetch_row(const char *row, int bytes) {
+    for (int at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);
+}
+
 typedef struct {
     float *scores, *queries, *acc, *rows; /* rows: four rows of row_len floats, for converted K/V rows */
     const char **k_rows, **v_rows;        /* where each key and value row of one (request, head) sits */
@@ -212,6 +222,8 @@ static inline ALWAYS_INLINE void attend_dims(const Call *c, int b, int h, Scratc
     const int32_t *pages = c->block_table + (int64_t)b * c->table_stride;
     const int first_p = kv_len - q_len, first_lo = c->window >= 0 && first_p - c->window > 0 ? first_p - c->window : 0;
     locate_rows(c, pages, first_lo, kv_len - 1, h * c->k_stride_head, h * c->v_stride_head, s);
+    const int k_bytes = qk_dim * (int)esize, v_bytes = v_dim * (int)esize;
+    const int k_ahead = (ROW_PREFETCH_BYTES / k_bytes + 3) & ~3, v_ahead = (ROW_PREFETCH_BYTES / v_bytes + 3) & ~3; /* whole fours of keys */
     for (int i = 0; i < q_len; i++) {
         const int64_t token = c->cu_q_lens[b] + i;
         const int p = kv_len - q_len + i;
@@ -226,6 +238,8 @@ static inline ALWAYS_INLINE void attend_dims(const Call *c, int b, int h, Scratc
          * on its own, so pages of one token (SGLang's) take this path too */
         int j = lo;
         for (; j + 3 <= p; j += 4) {
+            if (j + k_ahead + 3 <= p)
+                for (int r = 0; r < 4; r++) prefetch_row(s->k_rows[j + k_ahead + r], k_bytes);
             const float *k[4];
             four_rows(c, s->k_rows, j, qk_dim, s, k);
             const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
@@ -269,6 +283,8 @@ static inline ALWAYS_INLINE void attend_dims(const Call *c, int b, int h, Scratc
         }
         memset(s->acc, 0, sizeof(float) * (size_t)group * (size_t)v_dim);
         for (j = lo; j + 3 <= p; j += 4) { /* four keys at a time: one pass over each accumulator row */
+            if (j + v_ahead + 3 <= p)
+                for (int r = 0; r < 4; r++) prefetch_row(s->v_rows[j + v_ahead + r], v_bytes);
             const float *v[4];
             four_rows(c, s->v_rows, j, v_dim, s, v);
             const float *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
@@ -433,8 +449,8 @@ static inline ALWAYS_INLINE void attend_tiles_dims(const Call *c, int b, int h, 
     for (int j = klo; j <= item_p; j++) {
         if (j + PREFETCH_KEYS <= item_p) { /* pages are scattered: fetch ahead across their ends */
             const char *k_ahead = t->located.k_rows[j + PREFETCH_KEYS], *v_ahead = t->located.v_rows[j + PREFETCH_KEYS];
-            for (int at = 0; at < k_bytes; at += 64) __builtin_prefetch(k_ahead + at);
-            for (int at = 0; at < v_bytes; at += 64) __builtin_prefetch(v_ahead + at);
+            prefetch_row(k_ahead, k_bytes);
+            prefetch_row(v_ahead, v_bytes);
         }
         unpack_row(t->located.k_rows[j], c->dtype, qk_dim, keys + (int64_t)j * qk_dim);
         if (c->dtype == HAL_F32) {

@@ -326,12 +326,18 @@ class HalAttentionImpl(AttentionImpl):
             query, key, value = query[:n], key[:n], value[:n]
         rows = output if output.shape[0] == n else output[:n]
         attn_metadata.kernel.forward(
-            query.view(n, spec.num_q_heads, spec.head_dim),
-            key.view(n, spec.num_kv_heads, spec.head_dim),
-            value.view(n, spec.num_kv_heads, spec.v_head_dim),
+            _by_heads(query, spec.num_q_heads, spec.head_dim),
+            _by_heads(key, spec.num_kv_heads, spec.head_dim),
+            _by_heads(value, spec.num_kv_heads, spec.v_head_dim),
             spec,
             attn_metadata.plan,
             sinks=self.sinks,
-            out=rows.view(n, spec.num_q_heads, spec.v_head_dim),  # vLLM's output rows: written in place
+            out=_by_heads(rows, spec.num_q_heads, spec.v_head_dim),  # vLLM's output rows: written in place
         )
         return output
+
+
+def _by_heads(rows: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """``[T, heads, dim]`` rows as they are (vLLM's layer passes them so), ``[T, heads * dim]`` ones viewed so;
+    a shape that fits neither is the kernel's to refuse by name."""
+    return rows if rows.dim() != 2 else rows.view(rows.shape[0], heads, dim)
