@@ -161,6 +161,22 @@ def test_page_ids_beyond_the_pool_are_rejected() -> None:
         build_metadata(M.EXTEND, kv_lens=[4, 4], q_lens=[1, 1], page_table=[[3], [4]], out_cache_loc=[0, 1], pool=pool)
 
 
+def test_wide_page_ids_are_checked_before_the_table_narrows_to_int32() -> None:
+    """An engine's int64 table: 2**32 + 1 would read as page 1 once narrowed to int32's block table;
+    it is refused by its own value, with a pool and without one. Columns past the pages the batch
+    needs are not the metadata's (an engine's table is as wide as its longest request can grow)."""
+    pool = SplitKVPool(KVPoolSpec(1, 12, 4, 1, 2, 2))  # pages 1..3
+    wide = torch.tensor([[3, 0], [2**32 + 1, 0]])
+    with pytest.raises(SpecError, match=rf"page_table row 1 has page ids \[{2**32 + 1}\], expected 0\.\.3"):
+        build_metadata(M.EXTEND, kv_lens=[4, 4], q_lens=[1, 1], page_table=wide, out_cache_loc=[0, 1], pool=pool)
+    with pytest.raises(SpecError, match=rf"page_table row 1 has page ids \[{1 - 2**32}\], expected >= 0"):
+        build_metadata(M.EXTEND, kv_lens=[4, 4], q_lens=[1, 1], page_table=torch.tensor([[3, 0], [1 - 2**32, 0]]), out_cache_loc=[0, 1],
+                       page_size=4)
+    unused = torch.tensor([[3, 2**40], [2, 7]])  # column 1: no request reaches it
+    md = build_metadata(M.EXTEND, kv_lens=[4, 4], q_lens=[1, 1], page_table=unused, out_cache_loc=[12, 8], pool=pool)
+    assert md.block_table.tolist() == [[3], [2]]
+
+
 def test_a_slot_written_twice_is_rejected_but_the_padding_page_may_repeat() -> None:
     common = dict(kv_lens=[3, 3], q_lens=[1, 1], page_table=[[1], [2]], page_size=4)
     with pytest.raises(SpecError, match="writes slot 6 more than once"):
