@@ -57,6 +57,7 @@ class CpuAttention(AttentionKernelBase):
         route = self._native_route(q, layer, plan, sinks, checked_as, k, v)
         if route is not None:
             prepared, slots = route
+            assert slots is not None  # derived with the new rows
             return prepared(q, self._layer_caches(layer.layer_id), sinks, write=(slots, k, v), out=out)
         return super()._write_and_attend(q, k, v, layer, plan, sinks, out, checked_as)
 
