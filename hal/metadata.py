@@ -234,7 +234,7 @@ def build_metadata(
     page_size = int_at_least(page_size, 1, "build_metadata: page_size")
     if max_pages is not None:
         max_pages = int_at_least(max_pages, 1, "build_metadata: max_pages")
-    device = torch.device("cpu") if device is None else device if isinstance(device, torch.device) else torch.device(device)
+    device = torch.device("cpu") if device is None else torch.device(device)
     if not isinstance(mode, ForwardMode):
         raise SpecError(f"build_metadata: mode must be a hal.ForwardMode, got {mode!r} ({type(mode).__name__})")
     kv = strict_ints(kv_lens, "build_metadata: kv_lens")
@@ -257,8 +257,7 @@ def build_metadata(
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
         check_readable(out_cache_loc, "build_metadata: out_cache_loc")
-        flat = out_cache_loc if out_cache_loc.dim() == 1 else out_cache_loc.reshape(-1)
-        loc = flat.to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
+        loc = out_cache_loc.reshape(-1).to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
     else:
         loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
     b = len(kv)
