@@ -16,7 +16,7 @@ import torch
 from hal.errors import CacheLocationError, KVLayoutError, PoolTooLargeError
 from hal.graph import is_capturing
 from hal.plan import call_signature
-from hal.spec import KVPoolSpec, int_at_least
+from hal.spec import KVPoolSpec, int_at_least, int_bounds
 
 if TYPE_CHECKING:
     from hal.plan import ForwardPlan
@@ -240,9 +240,9 @@ class SplitKVPool:
         page with an SWA page mapped. Page 0, the padding page, is always writable."""
         if loc.numel() == 0:
             return
-        loc = loc.reshape(-1)
+        loc = loc if loc.dim() == 1 else loc.reshape(-1)
         limit = (self.spec.num_pages + 1) * self.spec.page_size
-        lo, hi = (int(x) for x in torch.aminmax(loc))
+        lo, hi = int_bounds(loc)
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
             raise CacheLocationError(f"{where}: cache location {bad} out of range [0, {limit})")
@@ -263,7 +263,7 @@ class SplitKVPool:
         """Raise ``CacheLocationError`` unless every page id in the host tensor ``pages`` is in ``0..num_pages``."""
         if pages.numel() == 0:
             return
-        lo, hi = (int(x) for x in torch.aminmax(pages))
+        lo, hi = int_bounds(pages)
         if lo < 0 or hi > self.spec.num_pages:
             bad = lo if lo < 0 else hi
             raise CacheLocationError(f"{where}: page id {bad} outside the pool's pages 0..{self.spec.num_pages}")

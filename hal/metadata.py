@@ -17,6 +17,7 @@ Conventions (shared by every backend):
 
 from __future__ import annotations
 
+import array
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ import torch
 
 from hal.errors import KVLayoutError, SpecError
 from hal.graph import is_capturing
-from hal.spec import ForwardMode, KVPoolSpec, check_integer_tensor, check_readable, host_copy, int_at_least, strict_ints
+from hal.spec import ForwardMode, KVPoolSpec, check_integer_tensor, check_readable, host_copy, int_at_least, int_bounds, strict_ints
 from hal.tree import check_tree_mask, tree_depths
 
 
@@ -108,17 +109,11 @@ class AttentionMetadata:
                 f"AttentionMetadata: {self.mode.name} needs the same q_len for every request, "
                 f"got {self.q_lens_cpu}"
             )
-        expect = {
-            "kv_lens": (b,),
-            "q_lens": (b,),
-            "cu_q_lens": (b + 1,),
-            "positions": (t,),
-            "out_cache_loc": (t,),
-        }
-        for name, shape in expect.items():
-            got = tuple(getattr(self, name).shape)
-            if got != shape:
-                raise SpecError(f"AttentionMetadata.{name} has shape {got}, expected {shape}")
+        for name, tensor, shape in (("kv_lens", self.kv_lens, (b,)), ("q_lens", self.q_lens, (b,)),
+                                    ("cu_q_lens", self.cu_q_lens, (b + 1,)), ("positions", self.positions, (t,)),
+                                    ("out_cache_loc", self.out_cache_loc, (t,))):
+            if tensor.shape != shape:
+                raise SpecError(f"AttentionMetadata.{name} has shape {tuple(tensor.shape)}, expected {shape}")
         for name in ("block_table", "swa_block_table"):
             table = getattr(self, name)
             if table is None:
@@ -257,12 +252,13 @@ def build_metadata(
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
         check_readable(out_cache_loc, "build_metadata: out_cache_loc")
-        loc = out_cache_loc.reshape(-1).to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
+        flat = out_cache_loc if out_cache_loc.dim() == 1 else out_cache_loc.reshape(-1)
+        loc = flat.to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
     else:
         loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
     b = len(kv)
-    lengths = torch.tensor([*kv, *q, 0, *itertools.accumulate(q)], dtype=torch.int32)  # one host tensor, three views
-    kv_t, q_t, cu = lengths.split_with_sizes([b, b, b + 1])
+    lengths = host_ints([*kv, *q, 0, *itertools.accumulate(q)], torch.int32, "build_metadata: kv_lens and q_lens")
+    kv_t, q_t, cu = lengths.split_with_sizes([b, b, b + 1])  # one host tensor, three views
     total = sum(q)
     tree_host = None
     if tree_mask is not None:
@@ -275,7 +271,7 @@ def build_metadata(
         depth = tree_depths(tree_host)
         positions = (torch.tensor([k - n for k, n in zip(kv, q)], dtype=torch.int64)[:, None] + depth).reshape(-1)
     else:
-        positions = torch.tensor([p for k, n in zip(kv, q) for p in range(k - n, k)], dtype=torch.int64)
+        positions = host_ints([p for k, n in zip(kv, q) for p in range(k - n, k)], torch.int64, "build_metadata: positions")
     if loc.numel() != total:
         raise SpecError(f"build_metadata: out_cache_loc has shape ({loc.numel()},), expected ({total},): one slot per new token")
     d_positions, d_loc, d_kv, d_q, d_cu, d_table = _upload([positions, loc, kv_t, q_t, cu, table], device)
@@ -342,17 +338,18 @@ def _table_from_tensor(
     pages = pages.cpu()  # the tensor itself when it is on the host: the table below is a copy
     used = pages[:, :width] if pages.shape[1] > width else pages  # the page ids the metadata holds
     if used.numel():
-        lo, hi = (int(x) for x in torch.aminmax(used))  # one op in the common case; the message below names the row
+        lo, hi = int_bounds(used)  # the message below names the row
         if lo < 0 or (last_page is not None and hi > last_page):
             bad = (used < 0) if last_page is None else ((used < 0) | (used > last_page))
             row = int(bad.any(1).nonzero()[0])
             raise SpecError(_bad_page_message(row, used[row][bad[row]].tolist(), last_page))
-    short = [i for i, n in enumerate(need) if pages.shape[1] < n]
-    if short:
-        i = short[0]
+    if max(need, default=0) > pages.shape[1]:
+        i = next(i for i, n in enumerate(need) if n > pages.shape[1])
         raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {pages.shape[1]} pages of {page_size}")
     if used.shape[1] == width:  # an engine's table is as wide as its longest request can grow
-        return used.to(torch.int32, memory_format=torch.contiguous_format, copy=True)  # the engine's changes
+        if used.dtype == torch.int32:  # a clone costs two thirds of a converting copy
+            return used.clone(memory_format=torch.contiguous_format)  # a copy: the engine's later changes stay out
+        return used.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     table = torch.zeros((len(kv), width), dtype=torch.int32)
     table[:, : used.shape[1]] = used
     return table
@@ -362,6 +359,24 @@ def _page_rows(page_table: Sequence[Sequence[int]] | torch.Tensor) -> list[list[
     """Each request's page ids as a list of ints, row by row through ``strict_ints`` (a 2-D tensor
     goes to ``_table_from_tensor`` instead)."""
     return [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
+
+
+# array typecodes of the integer dtypes host_ints makes ("i" is a C int: 4 bytes wherever torch runs)
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def host_ints(values: list[int], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A host int32/int64 tensor of ``values``, converted in one pass (a third of ``torch.tensor``'s
+    cost for a step's few lengths); a value outside the dtype's range is a ``SpecError`` naming ``what``."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    try:
+        buffer = array.array(_ARRAY_CODES[dtype], values)
+    except OverflowError:
+        info = torch.iinfo(dtype)
+        bad = next(v for v in values if not info.min <= v <= info.max)
+        raise SpecError(f"{what}: {bad} does not fit {dtype} ([{info.min}, {info.max}])") from None
+    return torch.frombuffer(buffer, dtype=dtype)
 
 
 def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

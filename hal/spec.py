@@ -11,6 +11,7 @@ tokens including itself" passes ``W = 127``.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import operator
 from collections.abc import Iterable, Sequence
@@ -117,6 +118,24 @@ def check_integer_tensor(tensor: torch.Tensor, what: str) -> None:
     """Refuse by name a tensor whose dtype holds no integers (bool, floating, complex)."""
     if tensor.dtype == torch.bool or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         raise SpecError(f"{what} must hold integers, got a {tensor.dtype} tensor")
+
+
+#: Up to this many elements, ``int_bounds`` reads a tensor's values into Python (one op) rather
+#: than reducing it with torch (one op and two reads back, about ten times the cost for a step's few slots).
+_BOUNDS_IN_PYTHON = 256
+
+
+def int_bounds(tensor: torch.Tensor) -> tuple[int, int]:
+    """The least and greatest value of a non-empty host integer tensor."""
+    if tensor.dim() == 0:
+        return int(tensor), int(tensor)
+    if tensor.numel() <= _BOUNDS_IN_PYTHON:
+        values = tensor.tolist()
+        for _ in range(tensor.dim() - 1):  # nested rows, flattened (a reshape would copy a strided view)
+            values = list(itertools.chain.from_iterable(values))
+        return min(values), max(values)
+    lo, hi = torch.aminmax(tensor)
+    return int(lo), int(hi)
 
 
 def host_copy(tensor: torch.Tensor, what: str) -> torch.Tensor:

@@ -177,6 +177,13 @@ def test_wide_page_ids_are_checked_before_the_table_narrows_to_int32() -> None:
     assert md.block_table.tolist() == [[3], [2]]
 
 
+def test_a_length_past_int32_is_refused_by_name() -> None:
+    """Kernels read lengths as int32: a KV length of 2**31 is refused naming it, not wrapped or left
+    to a torch overflow deep in the build."""
+    with pytest.raises(SpecError, match=rf"kv_lens and q_lens: {2**31} does not fit torch.int32"):
+        build_metadata(M.DECODE, kv_lens=[7, 2**31], q_lens=[1, 1], page_table=[[1], [2]], out_cache_loc=[6, 9], page_size=2**31)
+
+
 def test_a_slot_written_twice_is_rejected_but_the_padding_page_may_repeat() -> None:
     common = dict(kv_lens=[3, 3], q_lens=[1, 1], page_table=[[1], [2]], page_size=4)
     with pytest.raises(SpecError, match="writes slot 6 more than once"):

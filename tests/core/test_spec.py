@@ -5,9 +5,11 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hal.errors import KVLayoutError, SpecError
-from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec
+from hal.spec import ForwardMode, KVPoolSpec, LayerSpec, SWAPoolSpec, int_bounds
 
 M = ForwardMode
 
@@ -131,3 +133,22 @@ def test_layer_dims_out_of_range(layer_id: int) -> None:
 def test_pool_specs_reject_bad_fields_naming_them(make, field: str) -> None:
     with pytest.raises(SpecError, match=field):
         make()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_int_bounds_are_the_least_and_greatest_value(data: st.DataObject) -> None:
+    """Either side of the size where ``int_bounds`` reads values into Python, over 0-d tensors,
+    rows and strided views of tables (the engines' block tables are sliced), against torch's own
+    reduction."""
+    rows = data.draw(st.integers(1, 24))
+    cols = data.draw(st.integers(1, 24))
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    info = torch.iinfo(dtype)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    table = torch.randint(info.min, info.max, (rows, cols), dtype=dtype, generator=gen)
+    view = data.draw(st.sampled_from(["whole", "columns", "row", "scalar", "transposed"]))
+    tensor = {"whole": table, "columns": table[:, : max(cols // 2, 1)], "row": table[rows // 2],
+              "scalar": table[0, 0], "transposed": table.t()}[view]
+    lo, hi = torch.aminmax(tensor)
+    assert int_bounds(tensor) == (int(lo), int(hi))
