@@ -2,14 +2,17 @@
 alternating runs, same tokens required, and where each backend's attention time goes. Run in the
 vLLM environment (``bash .ci/vllm`` builds it):
 
-    .venv-vllm/bin/python benchmarks/vllm_speed.py [--models small gqa8] [--prompt-lens 64 896] [--new-tokens 64] [--repeats 3]
+    .venv-vllm/bin/python benchmarks/vllm_speed.py [--models small gqa8] [--prompt-lens 64 896] [--new-tokens 64] [--repeats 3] [--rounds 4]
 
 Random Qwen3 checkpoints saved by transformers, 2 layers each: ``small`` (4 query / 2 KV heads of
-32) and ``gqa8`` (16 query / 2 KV heads of 128: 8:1 GQA at head dim 128); 4 prompts of each length,
-64 new tokens each, greedy. Prints hal's speed over CPU_ATTN's (> 1: hal is faster), the median of
-the repeats and their range, and each backend's attention time inside the engine, from its last
-repeat: the metadata build per step (vLLM's builder) and one layer's call (KV write and attention),
-averaged apart over decode steps and over the other steps (the prefill).
+32) and ``gqa8`` (16 query / 2 KV heads of 128: 8:1 GQA at head dim 128); rounds of 4 fresh prompts
+of each length, 64 new tokens each, greedy. Each engine run generates a warm-up round (its first
+steps load and prepare what later ones reuse), then ``--rounds`` timed ones; the two backends' runs
+alternate, which goes first changing from repeat to repeat. Prints hal's speed over CPU_ATTN's (> 1:
+hal is faster: CPU_ATTN's timed rounds' time over hal's), the median over the repeats and their
+range, and each backend's attention time inside the engine over its last repeat's timed rounds: the
+metadata build per step (vLLM's builder) and one layer's call (KV write and attention), averaged
+apart over decode steps and over the other steps (the prefill).
 
     .venv-vllm/bin/python benchmarks/vllm_speed.py --attention-step [--models small gqa8] [--kv-lens 64 896] [--threads 1 2]
 
@@ -167,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 896])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds per engine run, after one warm-up round")
     parser.add_argument("--attention-step", action="store_true", help="the attention backends alone, outside the engine")
     parser.add_argument("--kv-lens", type=int, nargs="+", default=[64, 896], help="with --attention-step: the history per request")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --attention-step: torch threads")
@@ -183,14 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         model = checkpoint(name, directory)
         for length in args.prompt_lens:
-            prompts = [[rng.randrange(256) for _ in range(length)] for _ in range(4)]
-            request = {"model": str(model), "rounds": [prompts], "max_tokens": args.new_tokens, "max_model_len": 1024,
-                       "time_attention": True}
+            rounds = [[[rng.randrange(256) for _ in range(length)] for _ in range(4)] for _ in range(1 + args.rounds)]
+            request = {"model": str(model), "rounds": rounds, "max_tokens": args.new_tokens, "max_model_len": 1024,
+                       "time_attention": True, "warmup_rounds": 1}
             ratios, same = [], True
-            for _ in range(args.repeats):
-                ours, theirs = run_engine(request, hal=True), run_engine(request, hal=False)
+            for repeat in range(args.repeats):
+                runs = {hal: run_engine(request, hal=hal) for hal in ((True, False) if repeat % 2 == 0 else (False, True))}
+                ours, theirs = runs[True], runs[False]
                 same &= ours["tokens"] == theirs["tokens"]
-                ratios.append(theirs["generate_s"] / ours["generate_s"])
+                ratios.append(sum(theirs["round_s"][1:]) / sum(ours["round_s"][1:]))
             print(f"| {name} | {length} | 4 | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
                   f"{attention_cells(ours['attention_time'])} | {attention_cells(theirs['attention_time'])} | {same} |", flush=True)
             all_same &= same

@@ -107,16 +107,21 @@ def int_at_least(
     return number
 
 
+# The common integer dtypes, named so the check of an engine's index tensor is one lookup.
+_INTEGER_DTYPES = frozenset({torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8})
+
+
 def check_readable(tensor: torch.Tensor, what: str) -> None:
     """Refuse by name a tensor that holds no values to read (on the meta device), before an op
     that reads them fails inside."""
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise SpecError(f"{what} is a tensor on the meta device (shape {tuple(tensor.shape)}): it holds no values to read")
 
 
 def check_integer_tensor(tensor: torch.Tensor, what: str) -> None:
     """Refuse by name a tensor whose dtype holds no integers (bool, floating, complex)."""
-    if tensor.dtype == torch.bool or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+    if tensor.dtype not in _INTEGER_DTYPES and (tensor.dtype == torch.bool or tensor.dtype.is_floating_point
+                                                or tensor.dtype.is_complex):
         raise SpecError(f"{what} must hold integers, got a {tensor.dtype} tensor")
 
 

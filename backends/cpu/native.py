@@ -39,6 +39,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status: str | None = None  # None: not tried yet
+_tiles_of: tuple[ctypes.CDLL | None, bool] = (None, False)  # (library, whether it runs prompts by tiles)
 
 
 def cache_dir() -> Path:
@@ -136,7 +137,12 @@ def tiles_prompts(v_head_dim: int) -> bool:
     """Whether the library runs long prompts of this value head dim by tiles, eight query rows at
     once (built with the vector extensions, value rows a whole number of eight lanes), as fast as
     torch's flash attention or faster; else prompts are row by row, for short ones only."""
-    return available() and v_head_dim % 8 == 0 and bool(_library.hal_paged_attention_tiles())  # type: ignore[union-attr]
+    global _tiles_of
+    if not available() or v_head_dim % 8:
+        return False
+    if _tiles_of[0] is not _library:  # asked of the library once (a ctypes call per forward otherwise)
+        _tiles_of = (_library, bool(_library.hal_paged_attention_tiles()))  # type: ignore[union-attr]
+    return _tiles_of[1]
 
 
 def reads_lengths(block_table: torch.Tensor, kv_lens: torch.Tensor, cu_q_lens: torch.Tensor) -> bool:

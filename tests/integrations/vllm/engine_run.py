@@ -8,7 +8,8 @@ after another so later rounds can hit the prefix cache), ``max_tokens``, and opt
 (how many of the most likely tokens to report at each generated position, as ``[token, logprob]`` pairs),
 ``module_files`` (vLLM modules to load from other source files first: a pinned file without hal's
 patch, for a before/after test; the engine then runs in this process), ``time_attention`` (time the
-attention backend's metadata builds and layer calls, hal's or CPU_ATTN's, during generation).
+attention backend's metadata builds and layer calls, hal's or CPU_ATTN's, during generation, from
+round ``warmup_rounds`` on). The result gives each round's generation time (``round_s``) too.
 """
 
 from __future__ import annotations
@@ -75,9 +76,13 @@ def main(request: dict) -> dict:
     attention_time = time_attention_backend() if request.get("time_attention") else None
     top = request.get("logprobs")
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0, ignore_eos=True, logprobs=top)
-    rounds, likeliest = [], []
-    for prompts in request["rounds"]:
+    rounds, likeliest, round_s = [], [], []
+    for index, prompts in enumerate(request["rounds"]):
+        if attention_time is not None and index == request.get("warmup_rounds", 0):  # timed from here on
+            attention_time.update(dict.fromkeys(attention_time, 0))
+        round_start = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        round_s.append(time.perf_counter() - round_start)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
         if top:
             likeliest.append([[sorted(([t, lp.logprob] for t, lp in position.items()), key=lambda pair: -pair[1])[:top]
@@ -86,6 +91,7 @@ def main(request: dict) -> dict:
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
     return {
         "tokens": rounds, "hal_forwards": hal_calls["forward"], "hal_layers": sorted(hal_layers), "start_s": ready - started, "generate_s": done - ready,
+        "round_s": round_s,
         "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"), "spec_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens"),
         "spec_drafts": metrics.get("vllm:spec_decode_num_drafts"), "likeliest": likeliest, "npu_calls": npu_calls,
         "attention_time": attention_time,
