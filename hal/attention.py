@@ -76,7 +76,7 @@ class AttentionKernelBase:
         # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
         kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, out, save_kv_cache)
         checked_as = None if kind is None or signature is None else (signature, kind)
-        plan.check_once(checked_as, lambda: self._check_call(q, k, v, layer, plan, sinks, save_kv_cache, out))
+        plan.check_once(checked_as, self._check_call, q, k, v, layer, plan, sinks, save_kv_cache, out)
         if out is not None and not out.is_contiguous():  # strides are not in the signature
             raise SpecError(f"{where}, layer {layer.layer_id}: out must be contiguous, got strides {out.stride()}")
         if save_kv_cache:

@@ -287,9 +287,11 @@ class SplitKVPool:
         loc = plan.metadata.out_cache_loc
         kind = self._layer_kinds[layer] if type(layer) is int and 0 <= layer < len(self._layer_kinds) else None
         signature = call_signature("kv-write", k, v)
-        plan.check_once(None if kind is None or signature is None else (signature, kind), lambda: self._validate(layer, loc, k, v))
-        swa = self.is_swa_layer(layer)
-        return plan.per_layer_kind(("pool-slots", swa), lambda: self.translate_loc(layer, loc.long()))
+        plan.check_once(None if kind is None or signature is None else (signature, kind), self._validate, layer, loc, k, v)
+        return plan.per_layer_kind(("pool-slots", self.is_swa_layer(layer)), self._slots_of_layer, layer, loc)
+
+    def _slots_of_layer(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
+        return self.translate_loc(layer, loc.long())
 
     def _write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K and V rows at ``slots`` of the layer's own sub-pool (already translated and checked)."""

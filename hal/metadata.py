@@ -244,8 +244,13 @@ def build_metadata(
     width = max(max(need, default=0) if max_pages is None else max_pages, 1)
     if max(need, default=0) > width:
         raise SpecError(f"build_metadata: max_pages={width} is below the {max(need)} pages a request needs")
-    if isinstance(page_table, torch.Tensor) and page_table.dim() == 2:
+    if isinstance(page_table, torch.Tensor) and page_table.dim() == 2 and page_table.numel() > _READ_AS_LISTS:
         table = _table_from_tensor(page_table, kv, need, width, page_size, last_page)
+    elif isinstance(page_table, torch.Tensor) and page_table.dim() == 2:  # an engine's table for a few requests: one read
+        check_integer_tensor(page_table, "build_metadata: page_table[0]")
+        check_readable(page_table, "build_metadata: page_table")
+        rows = [row[:width] for row in page_table.tolist()]  # columns past the pages the batch needs are not its own
+        table = _table_from_rows(rows, kv, need, width, page_size, last_page)
     else:
         table = _table_from_rows(_page_rows(page_table), kv, need, width, page_size, last_page)
     if isinstance(out_cache_loc, torch.Tensor):
@@ -253,12 +258,17 @@ def build_metadata(
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
         check_readable(out_cache_loc, "build_metadata: out_cache_loc")
         flat = out_cache_loc if out_cache_loc.dim() == 1 else out_cache_loc.reshape(-1)
-        loc = flat.to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
+        if flat.numel() <= _READ_AS_LISTS:  # a step's few slots: one read, then the checks on the list
+            slots: list[int] | None = flat.tolist()
+            loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")  # type: ignore[arg-type]
+        else:
+            slots, loc = None, flat.to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
     else:
-        loc = torch.tensor(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"), dtype=torch.int64)
+        slots = list(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"))
+        loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")
     b = len(kv)
     lengths = host_ints([*kv, *q, 0, *itertools.accumulate(q)], torch.int32, "build_metadata: kv_lens and q_lens")
-    kv_t, q_t, cu = lengths.split_with_sizes([b, b, b + 1])  # one host tensor, three views
+    kv_t, q_t, cu = lengths[:b], lengths[b : 2 * b], lengths[2 * b :]  # one host tensor, three views
     total = sum(q)
     tree_host = None
     if tree_mask is not None:
@@ -295,7 +305,7 @@ def build_metadata(
         tree_mask=None if tree_host is None else tree_host.to(device, non_blocking=True),
         tree_mask_host=tree_host,
     )
-    _check_slots_written_once(loc, page_size)
+    _check_slots_written_once(loc, page_size, slots)
     if pool is not None and pool.spec.swa is None and page_size == pool.spec.page_size and device == pool.device:
         # What the plan step would check for this pool, with the page ids checked above: done once
         # here. A hybrid pool's SWA mapping may change before the plan, which checks it then.
@@ -323,7 +333,8 @@ def _table_from_rows(
     for i, (row, n) in enumerate(zip(rows, need)):
         if len(row) < n:
             raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
-    return torch.tensor([row[:width] + [0] * (width - len(row[:width])) for row in rows], dtype=torch.int32).view(len(kv), width)
+    flat = [page for row in rows for page in itertools.chain(row[:width], itertools.repeat(0, width - len(row)))]
+    return host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width)
 
 
 def _table_from_tensor(
@@ -361,6 +372,10 @@ def _page_rows(page_table: Sequence[Sequence[int]] | torch.Tensor) -> list[list[
     return [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
 
 
+#: Up to this many entries, an engine's slot or page tensor is read into a list at once and checked
+#: there: a decode step's few entries cost one read, where torch ops cost several microseconds each.
+_READ_AS_LISTS = 1024
+
 # array typecodes of the integer dtypes host_ints makes ("i" is a C int: 4 bytes wherever torch runs)
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 
@@ -381,9 +396,9 @@ def host_ints(values: list[int], dtype: torch.dtype, what: str) -> torch.Tensor:
 
 def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """The int32/int64 host tensors on ``device`` with one copy: packed into one int32 buffer (pinned
-    where the runtime allows, so the copy does not wait for the device), then viewed back.
-    Tensors already on ``device`` come back as they are."""
-    if all(t.device == device for t in host):
+    where the runtime allows, so the copy does not wait for the device), then viewed back. When
+    ``device`` is the host's, they come back as they are."""
+    if host[0].device == device:  # all on the host: one of them says where that is
         return host
     return unpack_ints(pack_ints(host, pin_memory=True).to(device, non_blocking=True), host)
 
@@ -423,15 +438,15 @@ def _pack_layout(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     return layout
 
 
-def _check_slots_written_once(loc: torch.Tensor, page_size: int) -> None:
+def _check_slots_written_once(loc: torch.Tensor, page_size: int, slots: list[int] | None = None) -> None:
     """No negative slot, and no slot written twice: two new tokens written to one slot would leave
     whichever the kernel happens to write last; only page 0, the padding page, takes any number
-    of writes."""
+    of writes. ``slots``: ``loc``'s values as a list, where the caller has them."""
     if loc.numel() == 0:
         return
     repeated = None
-    if loc.numel() <= 4096:  # a decode or verify step: a set is cheaper than torch ops
-        slots = loc.tolist()
+    if slots is not None or loc.numel() <= 4096:  # a decode or verify step: a set is cheaper than torch ops
+        slots = loc.tolist() if slots is None else slots
         lowest = min(slots)
         seen: set[int] = set()
         for slot in slots:

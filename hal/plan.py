@@ -40,20 +40,23 @@ class ForwardPlan:
         self._per_kind: dict[Hashable, Any] = {}
         self._checked: set[Hashable] = set()
 
-    def per_layer_kind(self, kind: Hashable, derive: Callable[[], T]) -> T:
-        """``derive()`` the first time a layer of ``kind`` asks in this forward; later layers of that
-        kind get the same value (layers of one kind share index plans and slots)."""
-        if kind not in self._per_kind:
-            self._per_kind[kind] = derive()
-        return self._per_kind[kind]  # type: ignore[no-any-return]
+    def per_layer_kind(self, kind: Hashable, derive: Callable[..., T], *arguments: Any) -> T:
+        """``derive(*arguments)`` the first time a layer of ``kind`` asks in this forward; later layers
+        of that kind get the same value (layers of one kind share index plans and slots). The
+        arguments are passed rather than closed over: a call that finds the value makes no closure."""
+        try:
+            return self._per_kind[kind]  # type: ignore[no-any-return]
+        except KeyError:
+            value = self._per_kind[kind] = derive(*arguments)
+            return value
 
-    def check_once(self, signature: Hashable | None, check: Callable[[], None]) -> None:
-        """Run ``check`` (which raises or passes by its arguments' types, shapes, dtypes and devices
-        against this plan, see ``call_signature``) the first time a call of ``signature`` comes in
-        this forward; later calls of that signature would pass the same way. A ``signature`` of
-        None is checked every time."""
+    def check_once(self, signature: Hashable | None, check: Callable[..., None], *arguments: Any) -> None:
+        """Run ``check(*arguments)`` (which raises or passes by its arguments' types, shapes, dtypes
+        and devices against this plan, see ``call_signature``) the first time a call of
+        ``signature`` comes in this forward; later calls of that signature would pass the same way.
+        A ``signature`` of None is checked every time."""
         if signature is None or signature not in self._checked:
-            check()
+            check(*arguments)
             if signature is not None:
                 self._checked.add(signature)
 

@@ -88,11 +88,11 @@ class CpuAttention(AttentionKernelBase):
         call: the forward (``_native_serves``), the layer's caches, and q and the new rows as they
         are (a unit stride along each head dim), with no gradient to keep; else None. Worked out
         by the first call of each ``checked_as`` key: every call of that key passes the same way."""
-        if not all(t.stride(-1) == 1 for t in (q, *new_rows)) or _needs_grad(q, sinks, *new_rows):
+        if q.stride(-1) != 1 or any(t.stride(-1) != 1 for t in new_rows) or _needs_grad(q, sinks, *new_rows):
             return None
         if checked_as is None:
             return self._derive_route(q, layer, plan, new_rows)
-        return plan.per_layer_kind(("cpu-native-route", checked_as), lambda: self._derive_route(q, layer, plan, new_rows))
+        return plan.per_layer_kind(("cpu-native-route", checked_as), self._derive_route, q, layer, plan, new_rows)
 
     def _derive_route(self, q: torch.Tensor, layer: LayerSpec, plan: ForwardPlan,
                       new_rows: tuple[torch.Tensor, ...]) -> tuple[native.PreparedAttention, torch.Tensor | None] | None:

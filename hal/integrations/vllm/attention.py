@@ -207,7 +207,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalForwardMetadata]):
         b, n = cm.num_reqs, cm.num_actual_tokens
         starts = cm.query_start_loc_cpu[: b + 1].tolist()
         q_lens = [hi - lo for lo, hi in zip(starts, starts[1:])]
-        kv_lens = cm.seq_lens[:b].cpu().tolist()  # the forward's one read of device lengths
+        kv_lens = cm.seq_lens[:b].tolist()  # the forward's one read of device lengths
         if sum(q_lens) != n:
             raise SpecError(f"{_WHERE}: query_start_loc counts {sum(q_lens)} rows, num_actual_tokens is {n}")
         mode = ForwardMode.DECODE if max(q_lens, default=0) == 1 else ForwardMode.EXTEND
