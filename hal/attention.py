@@ -69,16 +69,16 @@ class AttentionKernelBase:
         """Validate, check support, write the new K/V, then attend over the paged cache; the result
         lands in ``out`` when given (written there by a kernel that can, ``_attend_into``, else
         copied), which is returned."""
-        where = f"{type(self).__name__}.forward"
         if not isinstance(plan, ForwardPlan):
-            raise SpecError(f"{where} takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
-        plan.check_usable(self.pool, where)
+            raise SpecError(f"{type(self).__name__}.forward takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
+        if not plan.usable_by(self.pool):
+            plan.check_usable(self.pool, f"{type(self).__name__}.forward")
         # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
         kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, out, save_kv_cache)
         checked_as = None if kind is None or signature is None else (signature, kind)
         plan.check_once(checked_as, self._check_call, q, k, v, layer, plan, sinks, save_kv_cache, out)
         if out is not None and not out.is_contiguous():  # strides are not in the signature
-            raise SpecError(f"{where}, layer {layer.layer_id}: out must be contiguous, got strides {out.stride()}")
+            raise SpecError(f"{type(self).__name__}.forward, layer {layer.layer_id}: out must be contiguous, got strides {out.stride()}")
         if save_kv_cache:
             assert k is not None and v is not None  # validate_attention_call checked them
             result = self._write_and_attend(q, k, v, layer, plan, sinks, out, checked_as)

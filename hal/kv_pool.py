@@ -283,7 +283,8 @@ class SplitKVPool:
     def slots_for_forward(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The int64 slots of the layer's own sub-pool that ``set_kv_for_forward`` writes ``k`` and
         ``v`` to, after its checks (for a kernel that writes the rows as it attends)."""
-        plan.check_usable(self, f"set_kv_for_forward layer {layer}")
+        if not plan.usable_by(self):
+            plan.check_usable(self, f"set_kv_for_forward layer {layer}")
         loc = plan.metadata.out_cache_loc
         kind = self._layer_kinds[layer] if type(layer) is int and 0 <= layer < len(self._layer_kinds) else None
         signature = call_signature("kv-write", k, v)

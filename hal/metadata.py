@@ -244,13 +244,8 @@ def build_metadata(
     width = max(max(need, default=0) if max_pages is None else max_pages, 1)
     if max(need, default=0) > width:
         raise SpecError(f"build_metadata: max_pages={width} is below the {max(need)} pages a request needs")
-    if isinstance(page_table, torch.Tensor) and page_table.dim() == 2 and page_table.numel() > _READ_AS_LISTS:
+    if isinstance(page_table, torch.Tensor) and page_table.dim() == 2:
         table = _table_from_tensor(page_table, kv, need, width, page_size, last_page)
-    elif isinstance(page_table, torch.Tensor) and page_table.dim() == 2:  # an engine's table for a few requests: one read
-        check_integer_tensor(page_table, "build_metadata: page_table[0]")
-        check_readable(page_table, "build_metadata: page_table")
-        rows = [row[:width] for row in page_table.tolist()]  # columns past the pages the batch needs are not its own
-        table = _table_from_rows(rows, kv, need, width, page_size, last_page)
     else:
         table = _table_from_rows(_page_rows(page_table), kv, need, width, page_size, last_page)
     if isinstance(out_cache_loc, torch.Tensor):
@@ -326,34 +321,38 @@ def _table_from_rows(
     """The int32 block table ``[B, width]`` from ragged page lists, each checked."""
     if len(rows) != len(kv):
         raise SpecError(f"build_metadata: page_table has {len(rows)} rows for {len(kv)} requests")
-    for i, row in enumerate(rows):
-        bad = [p for p in row if p < 0 or (last_page is not None and p > last_page)]
-        if bad:
-            raise SpecError(_bad_page_message(i, bad, last_page))
+    lo = min((min(row) for row in rows if row), default=0)
+    hi = max((max(row) for row in rows if row), default=0)
+    if lo < 0 or (last_page is not None and hi > last_page):
+        row = next(i for i, r in enumerate(rows) if r and (min(r) < 0 or (last_page is not None and max(r) > last_page)))
+        raise SpecError(_bad_page_message(row, [p for p in rows[row] if p < 0 or (last_page is not None and p > last_page)], last_page))
     for i, (row, n) in enumerate(zip(rows, need)):
         if len(row) < n:
             raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
-    flat = [page for row in rows for page in itertools.chain(row[:width], itertools.repeat(0, width - len(row)))]
-    return host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width)
+    padded = rows if all(len(row) == width for row in rows) else [row[:width] + [0] * (width - len(row)) for row in rows]
+    return host_ints(list(itertools.chain.from_iterable(padded)), torch.int32, "build_metadata: page_table").view(len(kv), width)
 
 
 def _table_from_tensor(
     pages: torch.Tensor, kv: Sequence[int], need: Sequence[int], width: int, page_size: int, last_page: int | None
 ) -> torch.Tensor:
-    """The int32 block table ``[B, width]`` from a 2-D integer tensor, checked with tensor ops
-    (every row holds ``pages.shape[1]`` entries, zeros past a request's own pages)."""
+    """The int32 block table ``[B, width]`` from a 2-D integer tensor (every row holds
+    ``pages.shape[1]`` entries, zeros past a request's own pages; columns past the ``width`` the
+    batch needs are not its own): the few page ids of a step of a few requests read into lists at
+    once and checked there (``_table_from_rows``), a larger table checked with tensor ops."""
     check_integer_tensor(pages, "build_metadata: page_table[0]")
     check_readable(pages, "build_metadata: page_table")
     if pages.shape[0] != len(kv):
         raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")
-    pages = pages.cpu()  # the tensor itself when it is on the host: the table below is a copy
     used = pages[:, :width] if pages.shape[1] > width else pages  # the page ids the metadata holds
-    if used.numel():
-        lo, hi = int_bounds(used)  # the message below names the row
-        if lo < 0 or (last_page is not None and hi > last_page):
-            bad = (used < 0) if last_page is None else ((used < 0) | (used > last_page))
-            row = int(bad.any(1).nonzero()[0])
-            raise SpecError(_bad_page_message(row, used[row][bad[row]].tolist(), last_page))
+    if used.numel() <= _READ_AS_LISTS:
+        return _table_from_rows(used.tolist(), kv, need, width, page_size, last_page)
+    used = used.cpu()  # the tensor itself when it is on the host: the table below is a copy
+    lo, hi = int_bounds(used)  # the message below names the row
+    if lo < 0 or (last_page is not None and hi > last_page):
+        bad = (used < 0) if last_page is None else ((used < 0) | (used > last_page))
+        row = int(bad.any(1).nonzero()[0])
+        raise SpecError(_bad_page_message(row, used[row][bad[row]].tolist(), last_page))
     if max(need, default=0) > pages.shape[1]:
         i = next(i for i, n in enumerate(need) if n > pages.shape[1])
         raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {pages.shape[1]} pages of {page_size}")
@@ -372,9 +371,10 @@ def _page_rows(page_table: Sequence[Sequence[int]] | torch.Tensor) -> list[list[
     return [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
 
 
-#: Up to this many entries, an engine's slot or page tensor is read into a list at once and checked
-#: there: a decode step's few entries cost one read, where torch ops cost several microseconds each.
-_READ_AS_LISTS = 1024
+#: Up to this many entries, an engine's slots or the page ids a batch uses are read into a list at
+#: once and checked there: a decode step's few entries cost one read, where torch ops cost several
+#: microseconds each (and many more inside an engine, whose own work leaves them out of cache).
+_READ_AS_LISTS = 256
 
 # array typecodes of the integer dtypes host_ints makes ("i" is a C int: 4 bytes wherever torch runs)
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}

@@ -65,6 +65,10 @@ class ForwardPlan:
         pool, in the graph capture running now (or outside any, as now)."""
         return metadata is self.metadata and pool is self.pool and self._capture == capture_id()
 
+    def usable_by(self, pool: AddressedPool) -> bool:
+        """Whether this plan was made for ``pool`` in the capture running now (or outside any)."""
+        return pool is self.pool and self._capture == capture_id()
+
     def check_usable(self, pool: AddressedPool, where: str) -> None:
         """Raise unless this plan was made for ``pool`` in the capture running now (or outside any):
         a plan derived before a capture would be kept by the graph as constants, stale on replay."""

@@ -177,6 +177,31 @@ def test_wide_page_ids_are_checked_before_the_table_narrows_to_int32() -> None:
     assert md.block_table.tolist() == [[3], [2]]
 
 
+@pytest.mark.parametrize("requests", [3, 60])  # 3 x 8 page ids are read into lists, 60 x 8 checked by tensor ops
+def test_an_engines_wide_table_gives_the_same_record_and_refusals_either_way_it_is_read(requests: int) -> None:
+    """An engine's block table is as wide as its longest request may grow: the columns a batch
+    uses become the record's table (int32, a copy), and a page id out of the pool is refused by its
+    row and value, whether the few used ids are read as lists or a larger table is checked with
+    tensor ops."""
+    rng = random.Random(requests)
+    pool = SplitKVPool(KVPoolSpec(1, 4 * 600, 4, 1, 2, 2))  # pages 1..600
+    owned = rng.sample(range(1, 601), 8 * requests)  # each page belongs to one request
+    pages = [owned[8 * i : 8 * i + 8] for i in range(requests)]
+    engine_table = torch.zeros(requests, 50, dtype=torch.int32)
+    engine_table[:, :8] = torch.tensor(pages, dtype=torch.int32)
+    engine_table[:, 8:] = 7777  # stale ids past the batch's columns: not the metadata's
+    kv = [rng.randint(29, 32) for _ in range(requests)]  # 8 pages of 4 tokens each
+    slots = [pages[i][(n - 1) // 4] * 4 + (n - 1) % 4 for i, n in enumerate(kv)]
+    md = build_metadata(M.DECODE, kv_lens=kv, q_lens=[1] * requests, page_table=engine_table, out_cache_loc=slots, pool=pool)
+    assert md.block_table.dtype == torch.int32 and md.block_table.tolist() == pages
+    engine_table[0, 0] = -5  # the table the record holds is a copy
+    assert md.block_table[0, 0] == pages[0][0]
+    engine_table[0, 0] = pages[0][0]
+    engine_table[requests - 1, 5] = 601
+    with pytest.raises(SpecError, match=rf"page_table row {requests - 1} has page ids \[601\], expected 0\.\.600"):
+        build_metadata(M.DECODE, kv_lens=kv, q_lens=[1] * requests, page_table=engine_table, out_cache_loc=slots, pool=pool)
+
+
 def test_a_length_past_int32_is_refused_by_name() -> None:
     """Kernels read lengths as int32: a KV length of 2**31 is refused naming it, not wrapped or left
     to a torch overflow deep in the build."""
