@@ -324,8 +324,9 @@ def _table_from_rows(
     lo = min((min(row) for row in rows if row), default=0)
     hi = max((max(row) for row in rows if row), default=0)
     if lo < 0 or (last_page is not None and hi > last_page):
-        row = next(i for i, r in enumerate(rows) if r and (min(r) < 0 or (last_page is not None and max(r) > last_page)))
-        raise SpecError(_bad_page_message(row, [p for p in rows[row] if p < 0 or (last_page is not None and p > last_page)], last_page))
+        bad_row = next(i for i, r in enumerate(rows) if r and (min(r) < 0 or (last_page is not None and max(r) > last_page)))
+        bad = [p for p in rows[bad_row] if p < 0 or (last_page is not None and p > last_page)]
+        raise SpecError(_bad_page_message(bad_row, bad, last_page))
     for i, (row, n) in enumerate(zip(rows, need)):
         if len(row) < n:
             raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
