@@ -379,6 +379,7 @@ _READ_AS_LISTS = 256
 
 # array typecodes of the integer dtypes host_ints makes ("i" is a C int: 4 bytes wherever torch runs)
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+assert all(array.array(code).itemsize == dtype.itemsize for dtype, code in _ARRAY_CODES.items())
 
 
 def host_ints(values: list[int], dtype: torch.dtype, what: str) -> torch.Tensor:
