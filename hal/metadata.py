@@ -28,7 +28,8 @@ import torch
 
 from hal.errors import KVLayoutError, SpecError
 from hal.graph import is_capturing
-from hal.spec import ForwardMode, KVPoolSpec, check_integer_tensor, check_readable, host_copy, int_at_least, int_bounds, strict_ints
+from hal.spec import (READ_AS_LIST_LIMIT, ForwardMode, KVPoolSpec, check_integer_tensor, check_readable, host_copy, int_at_least,
+                      int_bounds, strict_ints)
 from hal.tree import check_tree_mask, tree_depths
 
 
@@ -248,18 +249,19 @@ def build_metadata(
         table = _table_from_tensor(page_table, kv, need, width, page_size, last_page)
     else:
         table = _table_from_rows(_page_rows(page_table), kv, need, width, page_size, last_page)
+    slots: Sequence[int] | None = None  # out_cache_loc's values, where they are read on the host at once
     if isinstance(out_cache_loc, torch.Tensor):
         if out_cache_loc.dtype not in (torch.int32, torch.int64):
             raise SpecError(f"build_metadata: out_cache_loc must be an int32/int64 tensor, got {out_cache_loc.dtype}")
         check_readable(out_cache_loc, "build_metadata: out_cache_loc")
         flat = out_cache_loc if out_cache_loc.dim() == 1 else out_cache_loc.reshape(-1)
-        if flat.numel() <= _READ_AS_LISTS:  # a step's few slots: one read, then the checks on the list
-            slots: list[int] | None = flat.tolist()
-            loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")  # type: ignore[arg-type]
+        if flat.numel() <= READ_AS_LIST_LIMIT:  # a step's few slots: one read, then the checks on the list
+            slots = flat.tolist()
+            loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")
         else:
-            slots, loc = None, flat.to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
+            loc = flat.to("cpu", torch.int64, copy=True)  # one op; a copy the caller cannot change
     else:
-        slots = list(strict_ints(out_cache_loc, "build_metadata: out_cache_loc"))
+        slots = strict_ints(out_cache_loc, "build_metadata: out_cache_loc")
         loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")
     b = len(kv)
     lengths = host_ints([*kv, *q, 0, *itertools.accumulate(q)], torch.int32, "build_metadata: kv_lens and q_lens")
@@ -346,7 +348,7 @@ def _table_from_tensor(
     if pages.shape[0] != len(kv):
         raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")
     used = pages[:, :width] if pages.shape[1] > width else pages  # the page ids the metadata holds
-    if used.numel() <= _READ_AS_LISTS:
+    if used.numel() <= READ_AS_LIST_LIMIT:
         return _table_from_rows(used.tolist(), kv, need, width, page_size, last_page)
     used = used.cpu()  # the tensor itself when it is on the host: the table below is a copy
     lo, hi = int_bounds(used)  # the message below names the row
@@ -372,17 +374,12 @@ def _page_rows(page_table: Sequence[Sequence[int]] | torch.Tensor) -> list[list[
     return [list(strict_ints(r, f"build_metadata: page_table[{i}]")) for i, r in enumerate(page_table)]
 
 
-#: Up to this many entries, an engine's slots or the page ids a batch uses are read into a list at
-#: once and checked there: a decode step's few entries cost one read, where torch ops cost several
-#: microseconds each (and many more inside an engine, whose own work leaves them out of cache).
-_READ_AS_LISTS = 256
-
 # array typecodes of the integer dtypes host_ints makes ("i" is a C int: 4 bytes wherever torch runs)
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
 assert all(array.array(code).itemsize == dtype.itemsize for dtype, code in _ARRAY_CODES.items())
 
 
-def host_ints(values: list[int], dtype: torch.dtype, what: str) -> torch.Tensor:
+def host_ints(values: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
     """A host int32/int64 tensor of ``values``, converted in one pass (a third of ``torch.tensor``'s
     cost for a step's few lengths); a value outside the dtype's range is a ``SpecError`` naming ``what``."""
     if not values:
@@ -440,10 +437,10 @@ def _pack_layout(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     return layout
 
 
-def _check_slots_written_once(loc: torch.Tensor, page_size: int, slots: list[int] | None = None) -> None:
+def _check_slots_written_once(loc: torch.Tensor, page_size: int, slots: Sequence[int] | None = None) -> None:
     """No negative slot, and no slot written twice: two new tokens written to one slot would leave
     whichever the kernel happens to write last; only page 0, the padding page, takes any number
-    of writes. ``slots``: ``loc``'s values as a list, where the caller has them."""
+    of writes. ``slots``: ``loc``'s values, where the caller has them."""
     if loc.numel() == 0:
         return
     repeated = None

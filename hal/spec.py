@@ -125,16 +125,18 @@ def check_integer_tensor(tensor: torch.Tensor, what: str) -> None:
         raise SpecError(f"{what} must hold integers, got a {tensor.dtype} tensor")
 
 
-#: Up to this many elements, ``int_bounds`` reads a tensor's values into Python (one op) rather
-#: than reducing it with torch (one op and two reads back, about ten times the cost for a step's few slots).
-_BOUNDS_IN_PYTHON = 256
+#: Up to this many elements, a host integer tensor's values are read into a Python list at once and
+#: checked there (``int_bounds``, ``build_metadata``'s slots and page ids): a step's few entries cost
+#: one read, where torch ops cost several microseconds each (and many more inside an engine, whose
+#: own work leaves them out of cache).
+READ_AS_LIST_LIMIT = 256
 
 
 def int_bounds(tensor: torch.Tensor) -> tuple[int, int]:
     """The least and greatest value of a non-empty host integer tensor."""
     if tensor.dim() == 0:
         return int(tensor), int(tensor)
-    if tensor.numel() <= _BOUNDS_IN_PYTHON:
+    if tensor.numel() <= READ_AS_LIST_LIMIT:
         values = tensor.tolist()
         for _ in range(tensor.dim() - 1):  # nested rows, flattened (a reshape would copy a strided view)
             values = list(itertools.chain.from_iterable(values))
