@@ -134,9 +134,9 @@ def available() -> bool:
 
 
 def tiles_prompts(v_head_dim: int) -> bool:
-    """Whether the library runs long prompts of this value head dim by tiles, eight query rows at
-    once (built with the vector extensions, value rows a whole number of eight lanes), as fast as
-    torch's flash attention or faster; else prompts are row by row, for short ones only."""
+    """Whether the library runs long prompts of this value head dim by tiles, 16 query rows at once
+    (8 without AVX-512; built with the vector extensions, value rows a whole number of eight lanes),
+    faster than torch's flash attention; else prompts are row by row, for short ones only."""
     global _tiles_of
     if not available() or v_head_dim % 8:
         return False

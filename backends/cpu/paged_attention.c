@@ -1,7 +1,7 @@
 /* The CPU backend's compiled paged attention for chains: hal's masking rule read straight from the
  * paged cache, with no gather and no per-op dispatch. One or two query tokens of a request (decode,
  * a short verify) go row by row, one pass per request and KV head; more (prompts, verify and draft
- * blocks) by tiles of eight query rows (see "Prompts and GQA groups" below). Built and loaded by
+ * blocks) by tiles of 16 query rows, 8 without AVX-512 (see "Prompts and GQA groups"). Built and loaded by
  * hal.backends.cpu.native, prepared once per kind of layer and forward (hal_attention_prepare) and
  * run per layer call (hal_attention_run); held to hal.oracle like the pure-torch kernel.
  *
@@ -136,7 +136,16 @@ typedef struct {
 } Call;
 
 /* Tiles (below): query rows per tile, keys per softmax block, rows per item of work. */
-enum { TILE_ROWS = 8, KEY_BLOCK = 64, ROWS_PER_ITEM = 256, PREFETCH_KEYS = 8 };
+/* Tiles of sixteen rows where the CPU has 16-lane vectors (AVX-512: twice the multiply-adds per
+ * instruction), eight elsewhere (AVX2's sixteen registers hold the 8 x 16 sums, not 16 x 16). */
+#ifdef __AVX512F__
+#define TILE_ROWS 16
+#else
+#define TILE_ROWS 8
+#endif
+/* A request's rows go by tiles from this many on (a tile repeats its last row past them). */
+#define MIN_TILE_ROWS 8
+enum { KEY_BLOCK = 64, ROWS_PER_ITEM = 256, PREFETCH_KEYS = 8 };
 
 /* The row path fetches the key and value rows this many bytes ahead of the ones it reads: a decode
  * step's keys are seldom in cache (every layer's are read once per step), and pages are scattered,
@@ -327,30 +336,32 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
 }
 
 #ifdef HAL_LANES
-/* Prompts and GQA groups: eight query rows of one request and KV head at once (tokens x the query
- * heads of the group, row r = token * group + head), scores with lanes over the rows. Each key is
- * read once per eight rows instead of once per row, and both products keep their sums in
- * registers: QK^T as 16 keys x 8 rows, PV as 8 rows x 16 value columns. The softmax runs per block
+/* Prompts and GQA groups: TILE_ROWS query rows of one request and KV head at once (tokens x the
+ * query heads of the group, row r = token * group + head), scores with lanes over the rows. Each key
+ * is read once per tile instead of once per row, and both products keep their sums in registers:
+ * QK^T as 16 keys x TILE_ROWS rows, PV as TILE_ROWS rows x 16 value columns. The softmax runs per block
  * of keys (online: a running maximum and sum per row). A key outside a row's mask gets a -inf
  * score (a select, not arithmetic) and its value is added only to the rows that see it, so a NaN
  * there reaches no row that does not see it. */
-typedef float lanes8 __attribute__((vector_size(32), aligned(4)));
+typedef float lanes8 __attribute__((vector_size(32), aligned(4), may_alias));
+/* One lane per row of a tile. */
+typedef float tile_lanes __attribute__((vector_size(TILE_ROWS * 4), aligned(4), may_alias));
+/* Vectors of tile_lanes across 16 value columns. */
+#define COLUMN_VECTORS (16 / TILE_ROWS)
 
-static inline lanes8 load8(const float *p) {
-    lanes8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, lanes8 v) { memcpy(p, &v, sizeof v); }
+/* Loads and stores of whole vectors (see load16). */
+static inline lanes8 load8(const float *p) { return *(const lanes8 *)p; }
+static inline void store8(float *p, lanes8 v) { *(lanes8 *)p = v; }
+static inline tile_lanes load_tile(const float *p) { return *(const tile_lanes *)p; }
+static inline void store_tile(float *p, tile_lanes v) { *(tile_lanes *)p = v; }
 
 typedef struct {
     float *keys;          /* [keys + 15][qk_dim]: the item's keys as fp32, and spare rows */
     float *values;        /* [keys][v_dim]: its values as fp32, when the cache holds another dtype */
     const float **values_f32; /* each key's value row as fp32 (in the cache, or in values) */
-    float *queries;       /* [qk_dim][8]: the tile's query rows, scaled, transposed */
-    float *scores;        /* [KEY_BLOCK][8] */
-    float *acc;           /* [8][v_dim] */
+    float *queries;       /* [qk_dim][TILE_ROWS]: the tile's query rows, scaled, transposed */
+    float *scores;        /* [KEY_BLOCK][TILE_ROWS] */
+    float *acc;           /* [TILE_ROWS][v_dim] */
     float *row;           /* one converted query row */
     Scratch located;      /* k_rows, v_rows */
 } TileScratch;
@@ -370,56 +381,59 @@ static int tile_scratch(const Call *c, TileScratch *t) {
     return 0;
 }
 
-/* Scores of the tile's 8 rows against 16 keys (rows of keys, qk_dim apart): 16 x 8 sums in
- * registers, each key element broadcast against the 8 rows' query elements. */
+/* Scores of the tile's rows against 16 keys (rows of keys, qk_dim apart): 16 x TILE_ROWS sums in
+ * registers, each key element broadcast against the rows' query elements. */
 static inline ALWAYS_INLINE void scores_16_keys(const float *queries, const float *keys, const int qk_dim, float *scores) {
-    lanes8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    lanes8 a8 = {0}, a9 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0}, a14 = {0}, a15 = {0};
+    tile_lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    tile_lanes a8 = {0}, a9 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0}, a14 = {0}, a15 = {0};
     for (int d = 0; d < qk_dim; d++) {
-        const lanes8 q = load8(queries + 8 * d);
+        const tile_lanes q = load_tile(queries + TILE_ROWS * d);
         const float *k = keys + d;
         a0 += q * k[0], a1 += q * k[qk_dim], a2 += q * k[2 * qk_dim], a3 += q * k[3 * qk_dim];
         a4 += q * k[4 * qk_dim], a5 += q * k[5 * qk_dim], a6 += q * k[6 * qk_dim], a7 += q * k[7 * qk_dim];
         a8 += q * k[8 * qk_dim], a9 += q * k[9 * qk_dim], a10 += q * k[10 * qk_dim], a11 += q * k[11 * qk_dim];
         a12 += q * k[12 * qk_dim], a13 += q * k[13 * qk_dim], a14 += q * k[14 * qk_dim], a15 += q * k[15 * qk_dim];
     }
-    store8(scores, a0), store8(scores + 8, a1), store8(scores + 16, a2), store8(scores + 24, a3);
-    store8(scores + 32, a4), store8(scores + 40, a5), store8(scores + 48, a6), store8(scores + 56, a7);
-    store8(scores + 64, a8), store8(scores + 72, a9), store8(scores + 80, a10), store8(scores + 88, a11);
-    store8(scores + 96, a12), store8(scores + 104, a13), store8(scores + 112, a14), store8(scores + 120, a15);
+    const tile_lanes sums[16] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15};
+    for (int j = 0; j < 16; j++) store_tile(scores + TILE_ROWS * j, sums[j]);
 }
 
 /* acc[r][col..col+width) = acc * alpha[r] + sum over keys first..last of weights[j][r] * value_j:
- * 8 rows x 16 columns (width 16) or 8 (width 8) of sums in registers. */
-static inline ALWAYS_INLINE void weigh_values(float *acc, const int v_dim, const int col, const int width, const float alpha[8],
-                                              const float *weights, const float *const *values, int first, int last) {
+ * TILE_ROWS rows x 16 columns (width 16) or 8 (width 8) of sums in registers. */
+static inline ALWAYS_INLINE void weigh_values(float *acc, const int v_dim, const int col, const int width,
+                                              const float alpha[TILE_ROWS], const float *weights, const float *const *values,
+                                              int first, int last) {
     if (width == 16) {
-        lanes8 c[8][2];
-        for (int r = 0; r < 8; r++) c[r][0] = load8(acc + r * v_dim + col) * alpha[r], c[r][1] = load8(acc + r * v_dim + col + 8) * alpha[r];
+        tile_lanes c[TILE_ROWS][COLUMN_VECTORS];
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int u = 0; u < COLUMN_VECTORS; u++) c[r][u] = load_tile(acc + r * v_dim + col + u * TILE_ROWS) * alpha[r];
         for (int j = first; j <= last; j++) {
-            const float *v = values[j] + col, *w = weights + 8 * j;
-            const lanes8 v0 = load8(v), v1 = load8(v + 8);
-            for (int r = 0; r < 8; r++) c[r][0] += w[r] * v0, c[r][1] += w[r] * v1;
+            const float *v = values[j] + col, *w = weights + TILE_ROWS * j;
+            tile_lanes vv[COLUMN_VECTORS];
+            for (int u = 0; u < COLUMN_VECTORS; u++) vv[u] = load_tile(v + u * TILE_ROWS);
+            for (int r = 0; r < TILE_ROWS; r++)
+                for (int u = 0; u < COLUMN_VECTORS; u++) c[r][u] += w[r] * vv[u];
         }
-        for (int r = 0; r < 8; r++) store8(acc + r * v_dim + col, c[r][0]), store8(acc + r * v_dim + col + 8, c[r][1]);
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int u = 0; u < COLUMN_VECTORS; u++) store_tile(acc + r * v_dim + col + u * TILE_ROWS, c[r][u]);
     } else {
-        lanes8 c[8];
-        for (int r = 0; r < 8; r++) c[r] = load8(acc + r * v_dim + col) * alpha[r];
+        lanes8 c[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) c[r] = load8(acc + r * v_dim + col) * alpha[r];
         for (int j = first; j <= last; j++) {
             const lanes8 v0 = load8(values[j] + col);
-            const float *w = weights + 8 * j;
-            for (int r = 0; r < 8; r++) c[r] += w[r] * v0;
+            const float *w = weights + TILE_ROWS * j;
+            for (int r = 0; r < TILE_ROWS; r++) c[r] += w[r] * v0;
         }
-        for (int r = 0; r < 8; r++) store8(acc + r * v_dim + col, c[r]);
+        for (int r = 0; r < TILE_ROWS; r++) store8(acc + r * v_dim + col, c[r]);
     }
 }
 
-/* acc += weights[8 j] * value_j for keys first..last: one row's keys that not every row of its
- * tile sees. */
+/* acc += weights[TILE_ROWS j] * value_j for keys first..last: one row's keys that not every row of
+ * its tile sees. */
 static inline ALWAYS_INLINE void add_values(float *acc, const int v_dim, const float *weights, const float *const *values, int first,
                                             int last) {
     for (int j = first; j <= last; j++) {
-        const float w = weights[8 * j], *v = values[j];
+        const float w = weights[TILE_ROWS * j], *v = values[j];
 #pragma omp simd
         for (int d = 0; d < v_dim; d++) acc[d] += w * v[d];
     }
@@ -462,9 +476,9 @@ static inline ALWAYS_INLINE void attend_tiles_dims(const Call *c, int b, int h, 
     }
     for (int tile = r0; tile < r1; tile += TILE_ROWS) {
         const int rows = r1 - tile < TILE_ROWS ? r1 - tile : TILE_ROWS;
-        int p[8], lo[8], head[8];
-        int64_t token[8];
-        float m[8], l[8], alpha[8], base[8];
+        int p[TILE_ROWS], lo[TILE_ROWS], head[TILE_ROWS];
+        int64_t token[TILE_ROWS];
+        float m[TILE_ROWS], l[TILE_ROWS], alpha[TILE_ROWS], base[TILE_ROWS];
         int lo_min = INT32_MAX, lo_max = 0, p_min = INT32_MAX, p_max = 0;
         for (int r = 0; r < TILE_ROWS; r++) { /* rows past the item's repeat its last one, and are not written */
             const int row = tile + (r < rows ? r : rows - 1);
@@ -484,26 +498,26 @@ static inline ALWAYS_INLINE void attend_tiles_dims(const Call *c, int b, int h, 
             int j = 0;
             /* sixteen keys at a time, the last group past the block's end too: the key rows are
              * there (tile_scratch's spare rows), and their scores are never read */
-            for (; j < n; j += 16) scores_16_keys(t->queries, keys + (int64_t)(kb + j) * qk_dim, qk_dim, s + 8 * j);
+            for (; j < n; j += 16) scores_16_keys(t->queries, keys + (int64_t)(kb + j) * qk_dim, qk_dim, s + TILE_ROWS * j);
             if (kb < lo_max || ke > p_min) /* some row does not see some key of the block */
                 for (j = 0; j < n; j++)
                     for (int r = 0; r < TILE_ROWS; r++)
-                        s[8 * j + r] = kb + j < lo[r] || kb + j > p[r] ? -INFINITY : s[8 * j + r];
-            float top[8];
+                        s[TILE_ROWS * j + r] = kb + j < lo[r] || kb + j > p[r] ? -INFINITY : s[TILE_ROWS * j + r];
+            float top[TILE_ROWS];
             for (int r = 0; r < TILE_ROWS; r++) top[r] = m[r];
             for (j = 0; j < n; j++) /* a NaN score is skipped here and reaches the sum through its exp */
-                for (int r = 0; r < TILE_ROWS; r++) top[r] = s[8 * j + r] > top[r] ? s[8 * j + r] : top[r];
+                for (int r = 0; r < TILE_ROWS; r++) top[r] = s[TILE_ROWS * j + r] > top[r] ? s[TILE_ROWS * j + r] : top[r];
             for (int r = 0; r < TILE_ROWS; r++) { /* no key seen yet, no sink: nothing to rescale */
                 const int none = top[r] == -INFINITY;
                 alpha[r] = none ? 1.0f : exp_nonpositive(m[r] - top[r]), base[r] = none ? 0.0f : top[r];
             }
-            float sums[8] = {0};
+            float sums[TILE_ROWS] = {0};
             for (j = 0; j < n; j++)
-                for (int r = 0; r < TILE_ROWS; r++) sums[r] += (s[8 * j + r] = exp_nonpositive(s[8 * j + r] - base[r]));
+                for (int r = 0; r < TILE_ROWS; r++) sums[r] += (s[TILE_ROWS * j + r] = exp_nonpositive(s[TILE_ROWS * j + r] - base[r]));
             for (int r = 0; r < TILE_ROWS; r++) l[r] = l[r] * alpha[r] + sums[r], m[r] = top[r];
             /* keys every row sees, all rows at once; then each row's others */
             const int common_lo = kb > lo_max ? kb : lo_max, common_hi = ke < p_min ? ke : p_min;
-            const float *weights = s - 8 * kb;
+            const float *weights = s - TILE_ROWS * kb;
             int col = 0;
             for (; col + 16 <= v_dim; col += 16) weigh_values(t->acc, v_dim, col, 16, alpha, weights, values, common_lo, common_hi);
             for (; col < v_dim; col += 8) weigh_values(t->acc, v_dim, col, 8, alpha, weights, values, common_lo, common_hi);
@@ -572,7 +586,7 @@ typedef struct {
 static int by_tiles(const Call *c, int b) {
 #ifdef HAL_LANES
     const int q_len = c->cu_q_lens[b + 1] - c->cu_q_lens[b];
-    return q_len >= 3 && q_len * c->group >= TILE_ROWS && c->v_dim % 8 == 0;
+    return q_len >= 3 && q_len * c->group >= MIN_TILE_ROWS && c->v_dim % 8 == 0;
 #else
     (void)c, (void)b;
     return 0;
@@ -630,10 +644,11 @@ static int attend_items(const Call *c, const Item *items, int count) {
     return failed ? -1 : 0;
 }
 
-/* Whether this build runs prompts by tiles (built with the vector extensions): 1 or 0. */
+/* The rows of this build's tiles (16 with AVX-512, else 8), or 0 when it runs prompts row by row
+ * (built without the vector extensions). */
 int hal_paged_attention_tiles(void) {
 #ifdef HAL_LANES
-    return 1;
+    return TILE_ROWS;
 #else
     return 0;
 #endif

@@ -8,6 +8,7 @@ import ast
 import contextlib
 import ctypes
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -379,6 +380,33 @@ def test_out_gets_the_result_in_every_dtype(dtype, mode, q_lens, native_calls) -
         results.append(result)
     assert torch.equal(results[0], results[1])
     assert native_calls == [sum(q_lens)] * 2
+
+
+def _avx512() -> bool:
+    with open("/proc/cpuinfo") as info:
+        return " avx512f" in next((line for line in info if line.startswith("flags")), "")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"),
+                    reason="AVX-512 builds: an x86 CPU whose features /proc/cpuinfo lists")
+@pytest.mark.parametrize("without_avx512", [False, True], ids=["native", "no-avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_of_sixteen_rows_and_of_eight_match_the_oracle(without_avx512, dtype, tmp_path, monkeypatch, native_calls) -> None:
+    """The library's tiles hold 16 query rows where the CPU has AVX-512 and 8 where it has not (a
+    build with -mno-avx512f stands in for such a CPU here): both hold prompts, a verify block and
+    GQA groups of 1, 3 and 8 to the oracle, value rows of 24 (a 16-column and an 8-column part) too."""
+    monkeypatch.setenv("HAL_CACHE_DIR", str(tmp_path))
+    compiler = os.environ.get("CC") or "cc"
+    flags = (*native._FLAGS, "-fopenmp", *(("-mno-avx512f",) if without_avx512 else ()))
+    library = native.bind(ctypes.CDLL(str(native._build(compiler, flags))))
+    assert library.hal_paged_attention_tiles() == (16 if _avx512() and not without_avx512 else 8)
+    monkeypatch.setattr(native, "_library", library)
+    for i, group in enumerate((1, 3, 8)):
+        layer = LayerSpec(0, 2 * group, 2, 16, 24, scaling=16**-0.5, sliding_window=40 if group == 3 else None, has_sinks=group == 8)
+        q_lens, kv_lens = [70, 5, 1], [70, 61, 33]
+        out, expect = run_cpu_kernel(M.EXTEND, layer, kv_lens, q_lens, page_size=4, dtype=dtype, seed=5 + i)
+        assert_close(out, expect, dtype)
+    assert native_calls == [sum(q_lens)] * 3
 
 
 def test_without_vector_extensions_the_library_runs_prompts_row_by_row(tmp_path, monkeypatch, native_calls) -> None:
