@@ -84,6 +84,7 @@ typedef float lanes16 __attribute__((vector_size(64), aligned(4), may_alias));
  * two 32-byte halves through the stack, and the 64-byte reload of the halves waits on both stores
  * (measured: three quarters of a decode call's time). */
 static inline lanes16 load16(const float *p) { return *(const lanes16 *)p; }
+static inline void store16(float *p, lanes16 v) { *(lanes16 *)p = v; }
 
 static inline void four_dots(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int n, float out[4]) {
     lanes16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
@@ -103,6 +104,37 @@ static inline void four_dots(const float *q, const float *k0, const float *k1, c
     const lanes16 x = __builtin_shufflevector(w, w, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6)
                     + __builtin_shufflevector(w, w, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
     out[0] = x[0], out[1] = x[1], out[2] = x[2], out[3] = x[3];
+}
+
+/* acc[g][...] += sum over keys j < n of w[g * w_stride + j] * values[j][...] for `heads` query
+ * heads of a GQA group: per 16 value columns, the heads' sums stay in registers across the keys
+ * (a pass over the accumulators per key instead costs a load and a store per multiply-add). */
+static inline __attribute__((always_inline)) void weigh_heads(float *acc, const int v_dim, const float *w, size_t w_stride,
+                                                              const float *const *values, int n, const int heads) {
+    for (int col = 0; col < v_dim; col += 16) {
+        lanes16 a[8];
+        for (int g = 0; g < heads; g++) a[g] = load16(acc + g * v_dim + col);
+        for (int j = 0; j < n; j++) {
+            const lanes16 v = load16(values[j] + col);
+            for (int g = 0; g < heads; g++) a[g] += w[g * w_stride + j] * v;
+        }
+        for (int g = 0; g < heads; g++) store16(acc + g * v_dim + col, a[g]);
+    }
+}
+
+/* weigh_heads over a whole group (v_dim a multiple of 16), eight heads at a time and then 4, 2, 1:
+ * a fixed count keeps the sums in registers. */
+static void weigh_group(float *acc, int v_dim, int group, const float *w, size_t w_stride, const float *const *values, int n) {
+    for (int g = 0; g < group;) {
+        const int left = group - g, heads = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        float *a = acc + (size_t)g * v_dim;
+        const float *wg = w + (size_t)g * w_stride;
+        if (heads == 8) weigh_heads(a, v_dim, wg, w_stride, values, n, 8);
+        else if (heads == 4) weigh_heads(a, v_dim, wg, w_stride, values, n, 4);
+        else if (heads == 2) weigh_heads(a, v_dim, wg, w_stride, values, n, 2);
+        else weigh_heads(a, v_dim, wg, w_stride, values, n, 1);
+        g += heads;
+    }
 }
 #endif
 
@@ -157,9 +189,19 @@ static inline void prefetch_row(const char *row, int bytes) {
     for (int at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);
 }
 
+/* The same into L2 only: value rows fetched during the score pass, read by the value pass after it. */
+static inline void prefetch_row_l2(const char *row, int bytes) {
+    for (int at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 2);
+}
+
+/* Keys per block of the row path's value pass: their value rows stay in L1 across its column passes. */
+enum { VALUE_BLOCK = 64 };
+
 typedef struct {
     float *scores, *queries, *acc, *rows; /* rows: four rows of row_len floats, for converted K/V rows */
     const char **k_rows, **v_rows;        /* where each key and value row of one (request, head) sits */
+    float *value_block;                   /* [VALUE_BLOCK][v_dim]: a block's value rows as fp32, when the cache is not */
+    const float **block_values;           /* the block's value rows as fp32 (in the cache, or in value_block) */
     int row_len;
 } Scratch;
 
@@ -193,10 +235,12 @@ static int scratch_alloc(const Call *c, Scratch *s) {
     const size_t group = (size_t)c->group, keys = (size_t)c->max_keys;
     s->row_len = c->qk_dim > c->v_dim ? c->qk_dim : c->v_dim;
     const size_t sizes[] = {group * keys * 4, group * (size_t)c->qk_dim * 4, group * (size_t)c->v_dim * 4, 4 * (size_t)s->row_len * 4,
-                            keys * sizeof(char *), keys * sizeof(char *)};
-    void *parts[6];
-    if (arena_parts(&row_arena, sizes, 6, parts) != 0) return -1;
+                            keys * sizeof(char *), keys * sizeof(char *), c->dtype == HAL_F32 ? 0 : VALUE_BLOCK * (size_t)c->v_dim * 4,
+                            VALUE_BLOCK * sizeof(float *)};
+    void *parts[8];
+    if (arena_parts(&row_arena, sizes, 8, parts) != 0) return -1;
     s->scores = parts[0], s->queries = parts[1], s->acc = parts[2], s->rows = parts[3], s->k_rows = parts[4], s->v_rows = parts[5];
+    s->value_block = parts[6], s->block_values = parts[7];
     return 0;
 }
 
@@ -247,7 +291,7 @@ static inline ALWAYS_INLINE void attend_dims(const Call *c, int b, int h, Scratc
         int j = lo;
         for (; j + 3 <= p; j += 4) {
             if (j + k_ahead + 3 <= p)
-                for (int r = 0; r < 4; r++) prefetch_row(s->k_rows[j + k_ahead + r], k_bytes);
+                for (int r = 0; r < 4; r++) prefetch_row(s->k_rows[j + k_ahead + r], k_bytes), prefetch_row_l2(s->v_rows[j + k_ahead + r], v_bytes);
             const float *k[4];
             four_rows(c, s->k_rows, j, qk_dim, s, k);
             const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
@@ -290,7 +334,19 @@ static inline ALWAYS_INLINE void attend_dims(const Call *c, int b, int h, Scratc
             for (int t = 0; t < n; t++) sg[t] *= inverse;
         }
         memset(s->acc, 0, sizeof(float) * (size_t)group * (size_t)v_dim);
-        for (j = lo; j + 3 <= p; j += 4) { /* four keys at a time: one pass over each accumulator row */
+        int weighed = 0; /* whether the values were added below */
+#ifdef HAL_LANES
+        if (v_dim % 16 == 0) { /* by blocks of keys, the heads' sums in registers (weigh_group) */
+            for (int kb = lo; kb <= p; kb += VALUE_BLOCK) {
+                const int n_block = p - kb + 1 < VALUE_BLOCK ? p - kb + 1 : VALUE_BLOCK;
+                for (int t = 0; t < n_block; t++)
+                    s->block_values[t] = row_f32(s->v_rows[kb + t], c->dtype, v_dim, s->value_block + (size_t)t * v_dim);
+                weigh_group(s->acc, v_dim, group, s->scores + (kb - lo), (size_t)c->max_keys, s->block_values, n_block);
+            }
+            weighed = 1;
+        }
+#endif
+        for (j = weighed ? p + 1 : lo; j + 3 <= p; j += 4) { /* four keys at a time: one pass over each accumulator row */
             if (j + v_ahead + 3 <= p)
                 for (int r = 0; r < 4; r++) prefetch_row(s->v_rows[j + v_ahead + r], v_bytes);
             const float *v[4];
