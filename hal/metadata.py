@@ -96,20 +96,12 @@ class AttentionMetadata:
         if not isinstance(self.mode, ForwardMode):
             raise SpecError(f"AttentionMetadata.mode must be a hal.ForwardMode, got {self.mode!r}")
         b, t = len(self.kv_lens_cpu), sum(self.q_lens_cpu)
-        if self.mode.is_idle() and t:
-            raise SpecError(f"AttentionMetadata: IDLE carries no tokens, got q_lens {self.q_lens_cpu}")
         if len(self.q_lens_cpu) != b:
             raise SpecError(
                 f"AttentionMetadata.q_lens has {len(self.q_lens_cpu)} entries, kv_lens has {b}"
             )
         _check_request_lengths("AttentionMetadata", self.q_lens_cpu, self.kv_lens_cpu)
-        if self.mode.is_decode() and any(q != 1 for q in self.q_lens_cpu):
-            raise SpecError(f"AttentionMetadata: DECODE needs q_len 1 per request, got {self.q_lens_cpu}")
-        if self.mode.has_uniform_query_len() and len(set(self.q_lens_cpu)) > 1:
-            raise SpecError(
-                f"AttentionMetadata: {self.mode.name} needs the same q_len for every request, "
-                f"got {self.q_lens_cpu}"
-            )
+        _check_lengths_fit_mode(self.mode, self.q_lens_cpu)
         for name, tensor, shape in (("kv_lens", self.kv_lens, (b,)), ("q_lens", self.q_lens, (b,)),
                                     ("cu_q_lens", self.cu_q_lens, (b + 1,)), ("positions", self.positions, (t,)),
                                     ("out_cache_loc", self.out_cache_loc, (t,))):
@@ -136,6 +128,18 @@ class AttentionMetadata:
             if tuple(self.tree_mask.shape) != (b, n, n) or self.tree_mask.dtype != torch.bool:
                 raise SpecError(f"AttentionMetadata.tree_mask is a {self.tree_mask.dtype} tensor of shape "
                                 f"{tuple(self.tree_mask.shape)}, expected bool ({b}, {n}, {n})")
+
+    @classmethod
+    def _made_consistent(cls, **fields: object) -> AttentionMetadata:
+        """The record of ``fields`` that ``build_metadata`` made consistent (int tuples of equal
+        length, lengths checked, tensors shaped from them, tables wide enough, the tree checked), with
+        only what the mode asks of the lengths checked here: ``__attrs_post_init__``'s other checks
+        hold by construction, and each costs microseconds once per forward."""
+        _check_lengths_fit_mode(fields["mode"], fields["q_lens_cpu"])  # type: ignore[arg-type]
+        record = object.__new__(cls)
+        for name in _METADATA_FIELDS:  # every field given: a KeyError here is a builder's bug
+            object.__setattr__(record, name, fields[name])
+        return record
 
     @property
     def batch_size(self) -> int:
@@ -165,6 +169,20 @@ class AttentionMetadata:
         if self.tree_mask is not None:
             out["tree_mask"] = self.tree_mask
         return out
+
+
+_METADATA_FIELDS = tuple(field.name for field in attrs.fields(AttentionMetadata))
+
+
+def _check_lengths_fit_mode(mode: ForwardMode, q_lens: Sequence[int]) -> None:
+    """What a forward mode asks of the query lengths: none in IDLE, one per request in DECODE, one
+    length for every request where the mode has one."""
+    if mode.is_idle() and any(q_lens):
+        raise SpecError(f"AttentionMetadata: IDLE carries no tokens, got q_lens {tuple(q_lens)}")
+    if mode.is_decode() and any(q != 1 for q in q_lens):
+        raise SpecError(f"AttentionMetadata: DECODE needs q_len 1 per request, got {tuple(q_lens)}")
+    if mode.has_uniform_query_len() and len(set(q_lens)) > 1:
+        raise SpecError(f"AttentionMetadata: {mode.name} needs the same q_len for every request, got {tuple(q_lens)}")
 
 
 # The pool ``build_metadata`` checked a record against (slots and page ids, page size, devices):
@@ -285,7 +303,7 @@ def build_metadata(
     swa_table = None
     if pool is not None and pool.spec.swa is not None:
         swa_table = pool.swa_block_table(d_table)
-    metadata = AttentionMetadata(
+    metadata = AttentionMetadata._made_consistent(
         mode=mode,
         page_size=page_size,
         kv_lens_cpu=kv,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -97,6 +98,15 @@ def test_build_metadata_matches_brute_force(batch, data) -> None:
     assert (md.kv_lens.dtype, md.q_lens.dtype, md.cu_q_lens.dtype) == (torch.int32,) * 3
     assert (md.positions.dtype, md.out_cache_loc.dtype, md.block_table.dtype) == (torch.int64, torch.int64, torch.int32)
     assert set(md.tensors()) == {"kv_lens", "q_lens", "cu_q_lens", "positions", "out_cache_loc", "block_table"}
+    assert_passes_the_constructors_checks(md)
+
+
+def assert_passes_the_constructors_checks(md: AttentionMetadata) -> None:
+    """build_metadata makes its record without the constructor's checks (they hold by construction):
+    the public constructor takes the same fields without a refusal, and keeps them as they are."""
+    fields = {field.name: getattr(md, field.name) for field in attrs.fields(AttentionMetadata)}
+    again = AttentionMetadata(**fields)
+    assert all(getattr(again, name) is value or getattr(again, name) == value for name, value in fields.items())
 
 
 @CHEAP
@@ -123,6 +133,7 @@ def test_swa_block_table_goes_through_the_pool_mapping(batch, data) -> None:
     assert md.swa_block_table.dtype == md.block_table.dtype
     assert md.swa_block_table.tolist() == [[mapping.get(p, 0) for p in row] for row in (table if kv else [])]
     assert "swa_block_table" in md.tensors()
+    assert_passes_the_constructors_checks(md)
 
 
 def _md(mode=M.EXTEND, kv=(5, 3), q=(2, 3), rows=((1, 2), (3,)), ps=4, **kwargs) -> AttentionMetadata:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_metadata import assert_passes_the_constructors_checks
 
 from hal.backends.cpu import CpuBackend
 from hal.errors import SpecError, UnsupportedConfigError
@@ -83,6 +84,7 @@ def test_build_metadata_takes_positions_from_depth_and_keeps_its_own_copy() -> N
     md = build_metadata(M.TARGET_VERIFY, kv_lens=[9, 4], q_lens=[4, 4], page_table=[[1, 2, 3], [4]],
                         out_cache_loc=[9, 10, 11, 12, 16, 17, 18, 19], pool=p, tree_mask=tree)
     assert md.positions.tolist() == [5, 6, 6, 7, 0, 1, 2, 2]
+    assert_passes_the_constructors_checks(md)
     tree[0, 1, 0] = False  # the caller's tensor changes; the record's does not
     assert bool(md.tree_mask[0, 1, 0]) and "tree_mask" in md.tensors()
 
