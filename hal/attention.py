@@ -76,7 +76,7 @@ class AttentionKernelBase:
         # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
         kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, out, save_kv_cache)
         checked_as = None if kind is None or signature is None else (signature, kind)
-        plan.check_once(checked_as, self._check_call, q, k, v, layer, plan, sinks, save_kv_cache, out)
+        plan.check_once(checked_as, self._check_call, q, k, v, layer, plan, sinks, save_kv_cache, out, passed=self._passed_calls())
         if out is not None and not out.is_contiguous():  # strides are not in the signature
             raise SpecError(f"{type(self).__name__}.forward, layer {layer.layer_id}: out must be contiguous, got strides {out.stride()}")
         if save_kv_cache:
@@ -87,6 +87,14 @@ class AttentionKernelBase:
         if out is None or result is out:
             return result
         return out.copy_(result.view(out.shape))
+
+    def _passed_calls(self) -> set[Hashable]:
+        """The kinds of call that passed ``_check_call`` in earlier forwards (``ForwardPlan.check_once``)."""
+        try:
+            return self._passed
+        except AttributeError:  # a subclass whose __init__ does not reach this class's
+            self._passed: set[Hashable] = set()
+            return self._passed
 
     def layer_kind(self, layer: LayerSpec) -> Hashable | None:
         """What a call's checks, and what a kernel prepares per forward, read of a layer besides its

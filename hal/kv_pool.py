@@ -8,7 +8,7 @@ mapping and the validation live here once.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +37,7 @@ class SplitKVPool:
         memory (one copy of the KV: the pool is a view of it); else the pool allocates its own."""
         self.spec = spec
         self.device = torch.device(device)
+        self._passed_writes: set[Hashable] = set()  # kinds of forward write that passed _validate (ForwardPlan.check_once)
         full_ids = spec.full_layer_ids
         swa_ids = spec.swa.layer_ids if spec.swa is not None else ()
         # global layer id -> (sub-pool name, index inside that sub-pool)
@@ -288,7 +289,8 @@ class SplitKVPool:
         loc = plan.metadata.out_cache_loc
         kind = self._layer_kinds[layer] if type(layer) is int and 0 <= layer < len(self._layer_kinds) else None
         signature = call_signature("kv-write", k, v)
-        plan.check_once(None if kind is None or signature is None else (signature, kind), self._validate, layer, loc, k, v)
+        plan.check_once(None if kind is None or signature is None else (signature, kind), self._validate, layer, loc, k, v,
+                        passed=self._passed_writes)
         return plan.per_layer_kind(("pool-slots", self.is_swa_layer(layer)), self._slots_of_layer, layer, loc)
 
     def _slots_of_layer(self, layer: int, loc: torch.Tensor) -> torch.Tensor:

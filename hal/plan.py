@@ -24,11 +24,16 @@ T = TypeVar("T")
 # What a call signature keeps as it is (hashable, and the same object checks the same way).
 _PLAIN_ARGUMENTS = (bool, int, str)
 
+#: The most (signature, facts) pairs a kernel or pool remembers as passed (``ForwardPlan.check_once``);
+#: past it the memory starts afresh (an engine's steps come in a few shapes; a stream of new ones
+#: must not grow it without bound).
+PASSED_CHECKS_LIMIT = 4096
+
 
 class ForwardPlan:
     """One forward's metadata, checked against one pool, and what its layers derive from it."""
 
-    __slots__ = ("metadata", "pool", "_capture", "_per_kind", "_checked")
+    __slots__ = ("metadata", "pool", "_capture", "_per_kind", "_checked", "_facts")
 
     def __init__(self, metadata: AttentionMetadata, pool: AddressedPool) -> None:
         if not isinstance(metadata, AttentionMetadata):
@@ -39,6 +44,7 @@ class ForwardPlan:
         self._capture = capture_id()
         self._per_kind: dict[Hashable, Any] = {}
         self._checked: set[Hashable] = set()
+        self._facts: tuple[Any, ...] | None = None
 
     def per_layer_kind(self, kind: Hashable, derive: Callable[..., T], *arguments: Any) -> T:
         """``derive(*arguments)`` the first time a layer of ``kind`` asks in this forward; later layers
@@ -50,15 +56,38 @@ class ForwardPlan:
             value = self._per_kind[kind] = derive(*arguments)
             return value
 
-    def check_once(self, signature: Hashable | None, check: Callable[..., None], *arguments: Any) -> None:
+    def call_facts(self) -> tuple[Any, ...]:
+        """What a call's checks read of this plan's metadata: its rows, requests and longest query,
+        whether it carries an SWA block table and a tree, and its slots' dtype (the record's own
+        checks tie the rest to these: one slot and one position per row)."""
+        facts = self._facts
+        if facts is None:
+            md = self.metadata
+            facts = self._facts = (md.num_tokens, md.batch_size, max(md.q_lens_cpu, default=0), md.swa_block_table is None,
+                                   md.tree_mask is None, md.out_cache_loc.dtype)
+        return facts
+
+    def check_once(self, signature: Hashable | None, check: Callable[..., None], *arguments: Any,
+                   passed: set[Hashable] | None = None) -> None:
         """Run ``check(*arguments)`` (which raises or passes by its arguments' types, shapes, dtypes
-        and devices against this plan, see ``call_signature``) the first time a call of
+        and devices, see ``call_signature``, and this plan's ``call_facts``) the first time a call of
         ``signature`` comes in this forward; later calls of that signature would pass the same way.
-        A ``signature`` of None is checked every time."""
-        if signature is None or signature not in self._checked:
+        ``passed``: the caller's memory (a kernel's, a pool's) of the signatures that passed in earlier
+        forwards with the facts they had; a call whose signature passed with these facts passes
+        without running the check. A ``signature`` of None is checked every time."""
+        if signature is None:
             check(*arguments)
-            if signature is not None:
-                self._checked.add(signature)
+            return
+        if signature in self._checked:
+            return
+        remembered = None if passed is None else (signature, self.call_facts())
+        if remembered is None or remembered not in passed:  # type: ignore[operator]
+            check(*arguments)
+            if passed is not None:
+                if len(passed) >= PASSED_CHECKS_LIMIT:
+                    passed.clear()
+                passed.add(remembered)
+        self._checked.add(signature)
 
     def serves(self, metadata: AttentionMetadata, pool: AddressedPool) -> bool:
         """Whether this is the plan for ``metadata`` on ``pool`` now: made from that record for that

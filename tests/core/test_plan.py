@@ -155,3 +155,65 @@ def test_plan_is_exported_where_backend_authors_and_engines_look() -> None:
     from hal import sdk
 
     assert hal.ForwardPlan is ForwardPlan is sdk.ForwardPlan
+
+
+def test_a_kind_of_call_that_passed_is_not_checked_again_in_later_forwards(monkeypatch) -> None:
+    """A kernel and its pool remember the kinds of call (signature and the plan's call facts) that
+    passed their checks: the next forward's calls of those kinds run no checks; a call of another
+    signature, or the same one against a plan of other facts, is checked."""
+    backend = CpuBackend()
+    pool = _hybrid_pool(backend)
+    attn = backend.create_attention(pool)
+    checks: list[str] = []
+    check_call, validate = type(attn)._check_call, type(pool)._validate
+    monkeypatch.setattr(type(attn), "_check_call", lambda self, *a: (checks.append("call"), check_call(self, *a))[1])
+    monkeypatch.setattr(type(pool), "_validate", lambda self, *a: (checks.append("write"), validate(self, *a))[1])
+    q, k, v = _qkv()
+    for step in range(3):
+        plan = attn.plan(_decode(pool))
+        for layer in (LAYER, *SWA_LAYERS):
+            attn.forward(q, k, v, layer, plan)
+        # forward 0 checks each kind (full and SWA layers) once; the later ones nothing
+        assert checks == (["call", "write"] * 2 if step == 0 else []), step
+        checks.clear()
+    wide = build_metadata(ForwardMode.EXTEND, kv_lens=[6], q_lens=[2], page_table=[[1, 2]], out_cache_loc=[8, 9], pool=pool)
+    attn.forward(torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), LAYER, attn.plan(wide))
+    assert checks == ["call", "write"]  # another signature (two rows)
+
+
+def test_the_same_call_against_other_facts_is_checked_and_refused_before_writing() -> None:
+    """An SWA layer's call passed with metadata that carries the SWA block table; the same call
+    against a plan whose metadata has none (its facts differ) is checked again and refused."""
+    backend = CpuBackend()
+    pool = _hybrid_pool(backend)
+    attn = backend.create_attention(pool)
+    q, k, v = _qkv()
+    attn.forward(q, k, v, SWA_LAYERS[0], attn.plan(_decode(pool)))
+    no_swa_table = attrs.evolve(_decode(pool), swa_block_table=None)
+    before = _snapshot(pool)
+    with pytest.raises(SpecError, match="has no swa_block_table"):
+        attn.forward(q, k, v, SWA_LAYERS[0], attn.plan(no_swa_table))
+    assert _unchanged(pool, before)
+
+
+def test_the_memory_of_passed_checks_is_bounded(monkeypatch) -> None:
+    """Past PASSED_CHECKS_LIMIT remembered kinds the memory starts afresh, and calls stay checked."""
+    import hal.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "PASSED_CHECKS_LIMIT", 3)
+    backend = CpuBackend()
+    pool = backend.create_kv_pool(KVPoolSpec(1, 64, 4, 1, 4, 4))
+    attn = backend.create_attention(pool)
+    g = torch.Generator().manual_seed(1)
+    for rows in range(1, 9):  # a new signature each forward
+        md = build_metadata(ForwardMode.EXTEND, kv_lens=[rows], q_lens=[rows], page_table=[[1, 2]], out_cache_loc=list(range(4, 4 + rows)),
+                            pool=pool)
+        attn.forward(torch.randn(rows, 2, 4, generator=g), torch.randn(rows, 1, 4, generator=g), torch.randn(rows, 1, 4, generator=g),
+                     LAYER, attn.plan(md))
+        assert len(attn._passed_calls()) <= 3 and len(pool._passed_writes) <= 3
+    with pytest.raises(SpecError, match="q has shape"):
+        attn.forward(torch.randn(2, 2, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4), LAYER, attn.plan(_decode_plain(pool)))
+
+
+def _decode_plain(pool: hal.KVPool) -> AttentionMetadata:
+    return build_metadata(ForwardMode.DECODE, kv_lens=[6], q_lens=[1], page_table=[[1, 2]], out_cache_loc=[9], pool=pool)
