@@ -73,7 +73,7 @@ class AttentionKernelBase:
             raise SpecError(f"{type(self).__name__}.forward takes the forward's plan (kernel.plan(metadata)), got {type(plan).__name__}")
         if not plan.usable_by(self.pool):
             plan.check_usable(self.pool, f"{type(self).__name__}.forward")
-        # the checks read types, shapes, dtypes and devices: once per forward for each kind of call
+        # the checks read types, shapes, dtypes and devices: once for each kind of call (ForwardPlan.check_once)
         kind, signature = self.layer_kind(layer), call_signature("attention", q, k, v, sinks, out, save_kv_cache)
         checked_as = None if kind is None or signature is None else (signature, kind)
         plan.check_once(checked_as, self._check_call, q, k, v, layer, plan, sinks, save_kv_cache, out, passed=self._passed_calls())
@@ -99,8 +99,9 @@ class AttentionKernelBase:
     def layer_kind(self, layer: LayerSpec) -> Hashable | None:
         """What a call's checks, and what a kernel prepares per forward, read of a layer besides its
         id: its spec with the id left out, and the dims and sub-pool of its place in the pool. Layers
-        of one kind are checked once per forward (``ForwardPlan.check_once``) and share what a
-        kernel derives for them (``ForwardPlan.per_layer_kind``). None for anything but a
+        of one kind are checked once (``ForwardPlan.check_once``: per forward, and not again in later
+        forwards of the same call facts) and share what a kernel derives for them
+        (``ForwardPlan.per_layer_kind``). None for anything but a
         ``LayerSpec`` of a layer the pool holds (then checked at every call, which names the fault)."""
         if type(layer) is not LayerSpec:
             return None

@@ -64,7 +64,7 @@ class SplitKVPool:
         self._v_rows = [b.view(-1, *b.shape[2:]) for b in self._v_views]
         # Their wide-element views (see copy_rows), keyed by the row view's identity.
         self._wide_views = {id(b): _wide_rows(b) for b in self._k_rows + self._v_rows}
-        # What a write's checks read of its layer (its dims and sub-pool): layers alike are checked once per forward.
+        # What a write's checks read of its layer (its dims and sub-pool): layers alike are checked once (ForwardPlan.check_once).
         self._layer_kinds = tuple((spec.layer_dims(i), self._where[i][0]) for i in range(spec.num_layers))
         self.full_to_swa_page: torch.Tensor | None = None
         # A host mirror of the mapping: slot checks read it without a device sync.
