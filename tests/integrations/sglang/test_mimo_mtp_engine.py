@@ -313,12 +313,19 @@ def test_sglang_on_hals_emulated_ascend_backend_serves_mimo_and_its_mtp(
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
 
 
-def test_sglang_on_hals_emulated_ascend_backend_at_tp2_equals_tp1(
+def test_sglang_on_hals_emulated_ascend_backend_at_tp2_keeps_tp1s_tokens_within_the_guarantee(
     checkpoint: tuple[Path, list[list[int]], Path], sgl_kernel_calls: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two ranks over gloo, each serving its share of the heads with its own emulated Ascend
-    backend (FIA v2 per rank): multi-layer EAGLE in bf16 gives tp 1's tokens."""
-    model, _, _ = checkpoint
+    backend (FIA v2 per rank): multi-layer EAGLE in bf16 gives tp 1's tokens up to the low-precision
+    guarantee. Two ranks sum their halves of each row-parallel linear in another order than one
+    rank does, so in bf16 a near-tie may go the other way (on CPUs whose bf16 matmuls run on AMX it
+    does, at one token of 96); where the two runs first differ, both tokens must be within
+    transformers' bf16 rounding of each other and of the float32 best (README: low precision)."""
+    from low_precision_guarantee import Guarantee
+    from tiny_mimo_checkpoints import hf_load
+
+    model, expected, hf_dir = checkpoint
     calls = on_emulated_ascend(monkeypatch, tmp_path)
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")  # SGLang's CPU scheduler binds one core set per rank
     one = [o["output_ids"] for o in sglang_generate(model, speculative=True, dtype="bfloat16", page_size=128)]
@@ -326,6 +333,10 @@ def test_sglang_on_hals_emulated_ascend_backend_at_tp2_equals_tp1(
     calls.unlink()
     two = [o["output_ids"] for o in sglang_generate(model, speculative=True, dtype="bfloat16", page_size=128, tp_size=2)]
     two_calls = npu_emulator_calls(calls)
-    assert two == one
+    guarantee = Guarantee(hf_dir, hf_load(hf_dir), torch.bfloat16, PROMPTS, NEW_TOKENS)
+    assert guarantee.reference == expected
+    for i in range(len(PROMPTS)):
+        guarantee.check_departure(i, two[i], one[i], "SGLang on the emulated npu, EAGLE at tp 2 vs tp 1")
+    print(f"tp 2 equals tp 1: {two == one}")
     assert one_calls["FIA"] > 0 and two_calls["FIA"] == 2 * one_calls["FIA"], (one_calls, two_calls)  # every call on each rank
     assert not sgl_kernel_calls.exists(), f"placeholder sgl_kernel called: {sgl_kernel_calls.read_text()}"
