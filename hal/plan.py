@@ -80,10 +80,12 @@ class ForwardPlan:
             return
         if signature in self._checked:
             return
-        remembered = None if passed is None else (signature, self.call_facts())
-        if remembered is None or remembered not in passed:  # type: ignore[operator]
+        if passed is None:
             check(*arguments)
-            if passed is not None:
+        else:
+            remembered = (signature, self.call_facts())
+            if remembered not in passed:
+                check(*arguments)
                 if len(passed) >= PASSED_CHECKS_LIMIT:
                     passed.clear()
                 passed.add(remembered)

@@ -73,6 +73,12 @@ static inline float exp_nonpositive(float x) {
     return x != x ? x : p * scale;
 }
 
+#if defined(__GNUC__) || defined(__clang__)
+#define ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE
+#endif
+
 #if !defined(HAL_NO_LANES) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
 /* Four dot products of 16-lane vectors, their lanes summed by one transposed reduction (four
  * halvings shared by the four sums) instead of four horizontal sums: the vector extensions GCC
@@ -109,8 +115,8 @@ static inline void four_dots(const float *q, const float *k0, const float *k1, c
 /* acc[g][...] += sum over keys j < n of w[g * w_stride + j] * values[j][...] for `heads` query
  * heads of a GQA group: per 16 value columns, the heads' sums stay in registers across the keys
  * (a pass over the accumulators per key instead costs a load and a store per multiply-add). */
-static inline __attribute__((always_inline)) void weigh_heads(float *acc, const int v_dim, const float *w, size_t w_stride,
-                                                              const float *const *values, int n, const int heads) {
+static inline ALWAYS_INLINE void weigh_heads(float *acc, const int v_dim, const float *w, size_t w_stride,
+                                             const float *const *values, int n, const int heads) {
     for (int col = 0; col < v_dim; col += 16) {
         lanes16 a[8];
         for (int g = 0; g < heads; g++) a[g] = load16(acc + g * v_dim + col);
@@ -147,12 +153,6 @@ static inline uint16_t float_to_bf16(float f) {
 }
 
 static inline size_t element_size(int dtype) { return dtype == HAL_F32 ? 4 : 2; }
-
-#if defined(__GNUC__) || defined(__clang__)
-#define ALWAYS_INLINE __attribute__((always_inline))
-#else
-#define ALWAYS_INLINE
-#endif
 
 typedef struct {
     const char *q, *k_cache, *v_cache;
