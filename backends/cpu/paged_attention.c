@@ -39,6 +39,23 @@ static inline float f16_to_float(uint16_t h) {
     return f;
 }
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* n fp16 elements as fp32, by the CPU's vector conversion where it has one: a loop of scalar
+ * conversions is not vectorised by GCC 12 and made an fp16 decode call 4x its bf16 time. */
+static inline void f16_row_to_f32(const uint16_t *h, int n, float *buf) {
+    int i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#endif
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) buf[i] = f16_to_float(h[i]);
+}
+
 /* A row of n elements as fp32: the row itself when it is fp32, else converted into buf. */
 static inline const float *row_f32(const void *row, int dtype, int n, float *buf) {
     if (dtype == HAL_F32) return (const float *)row;
@@ -47,7 +64,7 @@ static inline const float *row_f32(const void *row, int dtype, int n, float *buf
 #pragma omp simd
         for (int i = 0; i < n; i++) buf[i] = bf16_to_float(h[i]);
     } else {
-        for (int i = 0; i < n; i++) buf[i] = f16_to_float(h[i]);
+        f16_row_to_f32(h, n, buf);
     }
     return buf;
 }

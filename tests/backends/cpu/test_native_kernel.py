@@ -387,19 +387,29 @@ def _avx512() -> bool:
         return " avx512f" in next((line for line in info if line.startswith("flags")), "")
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"),
-                    reason="AVX-512 builds: an x86 CPU whose features /proc/cpuinfo lists")
-@pytest.mark.parametrize("without_avx512", [False, True], ids=["native", "no-avx512"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiles_of_sixteen_rows_and_of_eight_match_the_oracle(without_avx512, dtype, tmp_path, monkeypatch, native_calls) -> None:
+# x86 builds for CPUs with fewer features than this one: without AVX-512 (tiles of 8 rows, fp16 read
+# by 8-lane F16C conversions), and without F16C either (fp16 converted one element at a time).
+_X86_BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",), "no-avx512-no-f16c": ("-mno-avx512f", "-mno-f16c")}
+_x86_only = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"),
+                               reason="x86 builds: an x86 CPU whose features /proc/cpuinfo lists")
+
+
+def _x86_build(build: str, tmp_path, monkeypatch):
+    """The library built with the named build's flags, in a cache of the test's own."""
+    monkeypatch.setenv("HAL_CACHE_DIR", str(tmp_path))
+    compiler = os.environ.get("CC") or "cc"
+    return native.bind(ctypes.CDLL(str(native._build(compiler, (*native._FLAGS, "-fopenmp", *_X86_BUILDS[build])))))
+
+
+@_x86_only
+@pytest.mark.parametrize("build", list(_X86_BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tiles_of_sixteen_rows_and_of_eight_match_the_oracle(build, dtype, tmp_path, monkeypatch, native_calls) -> None:
     """The library's tiles hold 16 query rows where the CPU has AVX-512 and 8 where it has not (a
     build with -mno-avx512f stands in for such a CPU here): both hold prompts, a verify block and
     GQA groups of 1, 3 and 8 to the oracle, value rows of 24 (a 16-column and an 8-column part) too."""
-    monkeypatch.setenv("HAL_CACHE_DIR", str(tmp_path))
-    compiler = os.environ.get("CC") or "cc"
-    flags = (*native._FLAGS, "-fopenmp", *(("-mno-avx512f",) if without_avx512 else ()))
-    library = native.bind(ctypes.CDLL(str(native._build(compiler, flags))))
-    assert library.hal_paged_attention_tiles() == (16 if _avx512() and not without_avx512 else 8)
+    library = _x86_build(build, tmp_path, monkeypatch)
+    assert library.hal_paged_attention_tiles() == (16 if _avx512() and build == "native" else 8)
     monkeypatch.setattr(native, "_library", library)
     for i, group in enumerate((1, 3, 8)):
         layer = LayerSpec(0, 2 * group, 2, 16, 24, scaling=16**-0.5, sliding_window=40 if group == 3 else None, has_sinks=group == 8)
@@ -407,6 +417,30 @@ def test_tiles_of_sixteen_rows_and_of_eight_match_the_oracle(without_avx512, dty
         out, expect = run_cpu_kernel(M.EXTEND, layer, kv_lens, q_lens, page_size=4, dtype=dtype, seed=5 + i)
         assert_close(out, expect, dtype)
     assert native_calls == [sum(q_lens)] * 3
+
+
+@_x86_only
+@pytest.mark.parametrize("build", list(_X86_BUILDS))
+def test_every_fp16_value_is_read_as_torch_reads_it(build, tmp_path, monkeypatch) -> None:
+    """All 65536 fp16 bit patterns (subnormals, infinities and NaNs among them) as value rows, each
+    request seeing one key: its output row is its value row (a weight of exactly 1), so the
+    library's fp32 result equals torch's fp16 -> fp32 conversion element for element, in rows of 41
+    (the 16-, 8- and 1-lane conversions all used where the build has them)."""
+    library = _x86_build(build, tmp_path, monkeypatch)
+    monkeypatch.setattr(native, "_library", library)
+    width = 41
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = torch.cat([values, torch.zeros((-values.numel()) % width, dtype=torch.float16)]).view(-1, 1, 1, width)
+    batch = values.shape[0]
+    v_cache = torch.cat([torch.zeros(1, 1, 1, width, dtype=torch.float16), values])  # page 0 unused
+    k_cache = torch.zeros_like(v_cache)
+    table = torch.arange(1, batch + 1, dtype=torch.int32).view(batch, 1)
+    ones, cu = torch.ones(batch, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32)
+    prepared = native.PreparedAttention(table, ones, cu, dtype=torch.float16, page_size=1, num_q_heads=1, num_kv_heads=1,
+                                        head_dim=width, v_head_dim=width, scaling=1.0, sliding_window=None)
+    out = torch.empty(batch, 1, width, dtype=torch.float32)
+    prepared(torch.zeros(batch, 1, width, dtype=torch.float16), native.LayerCaches(k_cache, v_cache), out=out)
+    torch.testing.assert_close(out, values.view(batch, 1, width).float(), rtol=0, atol=0, equal_nan=True)
 
 
 def test_without_vector_extensions_the_library_runs_prompts_row_by_row(tmp_path, monkeypatch, native_calls) -> None:
