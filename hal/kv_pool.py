@@ -294,7 +294,8 @@ class SplitKVPool:
         return plan.per_layer_kind(("pool-slots", self.is_swa_layer(layer)), self._slots_of_layer, layer, loc)
 
     def _slots_of_layer(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
-        return self.translate_loc(layer, loc.long())
+        # int64 already (build_metadata's): no conversion op, which is not free on a step's first layer
+        return self.translate_loc(layer, loc if loc.dtype is torch.int64 else loc.long())
 
     def _write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K and V rows at ``slots`` of the layer's own sub-pool (already translated and checked)."""

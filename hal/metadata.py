@@ -282,8 +282,8 @@ def build_metadata(
         slots = strict_ints(out_cache_loc, "build_metadata: out_cache_loc")
         loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")
     b = len(kv)
-    lengths = host_ints([*kv, *q, 0, *itertools.accumulate(q)], torch.int32, "build_metadata: kv_lens and q_lens")
-    kv_t, q_t, cu = lengths[:b], lengths[b : 2 * b], lengths[2 * b :]  # one host tensor, three views
+    kv_t, q_t, cu = host_int_runs([*kv, *q, 0, *itertools.accumulate(q)], (b, b, b + 1), torch.int32,
+                                  "build_metadata: kv_lens and q_lens")
     total = sum(q)
     tree_host = None
     if tree_mask is not None:
@@ -365,6 +365,10 @@ def _table_from_tensor(
     check_readable(pages, "build_metadata: page_table")
     if pages.shape[0] != len(kv):
         raise SpecError(f"build_metadata: page_table has {pages.shape[0]} rows for {len(kv)} requests")
+    if pages.numel() <= READ_AS_LIST_LIMIT:  # read whole, cut in Python: no slice op
+        rows = pages.tolist()
+        return _table_from_rows(rows if pages.shape[1] == width else [row[:width] for row in rows], kv, need, width, page_size,
+                                last_page)
     used = pages[:, :width] if pages.shape[1] > width else pages  # the page ids the metadata holds
     if used.numel() <= READ_AS_LIST_LIMIT:
         return _table_from_rows(used.tolist(), kv, need, width, page_size, last_page)
@@ -402,13 +406,30 @@ def host_ints(values: Sequence[int], dtype: torch.dtype, what: str) -> torch.Ten
     cost for a step's few lengths); a value outside the dtype's range is a ``SpecError`` naming ``what``."""
     if not values:
         return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(_int_array(values, dtype, what), dtype=dtype)
+
+
+def host_int_runs(values: Sequence[int], runs: Sequence[int], dtype: torch.dtype, what: str) -> list[torch.Tensor]:
+    """``host_ints`` of ``values`` cut into consecutive runs of the given lengths, one tensor per run
+    over one buffer: made from the buffer, not sliced from a tensor (a slice is a torch op, which
+    costs more in a build run between a model's layers, its caches cold)."""
+    assert sum(runs) == len(values)
+    if not values:
+        return [torch.empty(0, dtype=dtype) for _ in runs]
+    buffer, size, at, parts = _int_array(values, dtype, what), dtype.itemsize, 0, []
+    for n in runs:
+        parts.append(torch.frombuffer(buffer, dtype=dtype, count=n, offset=at * size) if n else torch.empty(0, dtype=dtype))
+        at += n
+    return parts
+
+
+def _int_array(values: Sequence[int], dtype: torch.dtype, what: str) -> array.array:
     try:
-        buffer = array.array(_ARRAY_CODES[dtype], values)
+        return array.array(_ARRAY_CODES[dtype], values)
     except OverflowError:
         info = torch.iinfo(dtype)
         bad = next(v for v in values if not info.min <= v <= info.max)
         raise SpecError(f"{what}: {bad} does not fit {dtype} ([{info.min}, {info.max}])") from None
-    return torch.frombuffer(buffer, dtype=dtype)
 
 
 def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

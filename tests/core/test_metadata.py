@@ -188,7 +188,8 @@ def test_wide_page_ids_are_checked_before_the_table_narrows_to_int32() -> None:
     assert md.block_table.tolist() == [[3], [2]]
 
 
-@pytest.mark.parametrize("requests", [3, 60])  # 3 x 8 page ids are read into lists, 60 x 8 checked by tensor ops
+# 3 x 50: the whole table read into lists; 10 x 50: its 10 x 8 used ids; 60 x 8: checked by tensor ops
+@pytest.mark.parametrize("requests", [3, 10, 60])
 def test_an_engines_wide_table_gives_the_same_record_and_refusals_either_way_it_is_read(requests: int) -> None:
     """An engine's block table is as wide as its longest request may grow: the columns a batch
     uses become the record's table (int32, a copy), and a page id out of the pool is refused by its

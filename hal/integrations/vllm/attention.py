@@ -205,16 +205,24 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalForwardMetadata]):
             raise UnsupportedConfigError(f"{_WHERE}: a non-causal batch (causal={cm.causal!r}); hal runs causal decoder attention")
         pool, kernel = self._pool_and_kernel()
         b, n = cm.num_reqs, cm.num_actual_tokens
-        starts = cm.query_start_loc_cpu[: b + 1].tolist()
+        starts = _leading(cm.query_start_loc_cpu, b + 1).tolist()
         q_lens = [hi - lo for lo, hi in zip(starts, starts[1:])]
-        kv_lens = cm.seq_lens[:b].tolist()  # the forward's one read of device lengths
+        kv_lens = _leading(cm.seq_lens, b).tolist()  # the forward's one read of device lengths
         if sum(q_lens) != n:
             raise SpecError(f"{_WHERE}: query_start_loc counts {sum(q_lens)} rows, num_actual_tokens is {n}")
         mode = ForwardMode.DECODE if max(q_lens, default=0) == 1 else ForwardMode.EXTEND
         metadata = build_metadata(
-            mode, kv_lens=kv_lens, q_lens=q_lens, page_table=cm.block_table_tensor[:b], out_cache_loc=cm.slot_mapping[:n], pool=pool,
+            mode, kv_lens=kv_lens, q_lens=q_lens, page_table=_leading(cm.block_table_tensor, b),
+            out_cache_loc=_leading(cm.slot_mapping, n), pool=pool,
         )
         return HalForwardMetadata(plan=kernel.plan(metadata), kernel=kernel, pool_layers=self.pool_layers, num_actual_tokens=n)
+
+
+def _leading(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows of ``t``: ``t`` itself when it has ``n`` (vLLM hands its buffers already
+    cut to the batch; a slice is a torch op, and a step's build runs with the processor's caches
+    full of the model's data, where each kind of op costs microseconds)."""
+    return t if t.shape[0] == n else t[:n]
 
 
 def block_geometry(blocks: int, kv_heads: int, block_size: int, head_dim: int, v_head_dim: int) -> tuple[int, int, int]:
