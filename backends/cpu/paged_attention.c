@@ -196,6 +196,67 @@ typedef struct {
 #define MIN_TILE_ROWS 8
 enum { KEY_BLOCK = 64, ROWS_PER_ITEM = 256, PREFETCH_KEYS = 8 };
 
+#ifdef HAL_LANES
+/* One lane per row of a tile. */
+typedef float tile_lanes __attribute__((vector_size(TILE_ROWS * 4), aligned(4), may_alias));
+/* Loads and stores of whole vectors (see load16). */
+static inline tile_lanes load_tile(const float *p) { return *(const tile_lanes *)p; }
+static inline void store_tile(float *p, tile_lanes v) { *(tile_lanes *)p = v; }
+
+/* Softmax steps on whole tile_lanes vectors, written out rather than left to the vectoriser: GCC
+ * tunes recent AVX-512 CPUs to vectorise 256 bits wide, half a 16-lane vector. */
+typedef int32_t tile_ints __attribute__((vector_size(TILE_ROWS * 4), aligned(4), may_alias));
+
+/* yes where mask (all ones), else no. */
+static inline ALWAYS_INLINE tile_lanes select_lanes(tile_ints mask, tile_lanes yes, tile_lanes no) {
+    return (tile_lanes)((mask & (tile_ints)yes) | (~mask & (tile_ints)no));
+}
+
+/* exp_nonpositive lane by lane: n = round(x / ln2) by adding and taking away 1.5 * 2^23, exact for
+ * |x / ln2| < 2^22; the same polynomial, and 0 below -87.3, NaN for NaN. */
+static inline ALWAYS_INLINE tile_lanes exp_nonpositive_lanes(tile_lanes x) {
+    const tile_ints nan = x != x;
+    x = select_lanes(x < -87.5f, (tile_lanes){0} - 87.5f, x); /* -inf (a masked score) too */
+    const tile_lanes n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const tile_lanes r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    tile_lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const tile_ints e = ~((x < -87.3f) | nan) & (__builtin_convertvector(n, tile_ints) + 127);
+    return select_lanes(nan, x, p * (tile_lanes)(e << 23));
+}
+
+/* Scores s[0..n) -> their softmax with a sink logit (when has_sink: one more logit, no value): the
+ * row path's, on tile_lanes vectors. */
+static void softmax_lanes(float *s, int n, float sink, int has_sink) {
+    enum { W = TILE_ROWS };
+    tile_lanes top = (tile_lanes){0} + sink;
+    int t = 0;
+    for (; t + W <= n; t += W) { /* a NaN score is skipped here and reaches the sum through its exp */
+        const tile_lanes score = load_tile(s + t);
+        top = select_lanes(score > top, score, top);
+    }
+    float m = sink;
+    for (int i = 0; i < W; i++) m = top[i] > m ? top[i] : m;
+    for (int i = t; i < n; i++) m = s[i] > m ? s[i] : m;
+    tile_lanes sums = {0};
+    for (t = 0; t + W <= n; t += W) {
+        const tile_lanes weight = exp_nonpositive_lanes(load_tile(s + t) - m);
+        store_tile(s + t, weight);
+        sums += weight;
+    }
+    float total = has_sink ? exp_nonpositive(sink - m) : 0.0f;
+    for (int i = t; i < n; i++) total += (s[i] = exp_nonpositive(s[i] - m));
+    for (int i = 0; i < W; i++) total += sums[i];
+    const float inverse = 1.0f / total;
+    for (t = 0; t + W <= n; t += W) store_tile(s + t, load_tile(s + t) * inverse);
+    for (int i = t; i < n; i++) s[i] *= inverse;
+}
+#endif
+
 /* The row path fetches the key and value rows this many bytes ahead of the ones it reads: a decode
  * step's keys are seldom in cache (every layer's are read once per step), and pages are scattered,
  * so the hardware's stream prefetch stops at each page's end. 4 KB: 10-16% off a decode call over
@@ -340,6 +401,9 @@ static inline ALWAYS_INLINE void attend_dims(const Call *c, int b, int h, Scratc
         for (int g = 0; g < group; g++) {
             float *sg = s->scores + (size_t)g * c->max_keys;
             const float sink = c->sinks ? c->sinks[h * group + g] : -INFINITY;
+#ifdef HAL_LANES
+            softmax_lanes(sg, n, sink, c->sinks != NULL);
+#else
             float m = sink; /* a NaN score is skipped here and reaches the sum through its exp */
 #pragma omp simd reduction(max : m)
             for (int t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;
@@ -349,6 +413,7 @@ static inline ALWAYS_INLINE void attend_dims(const Call *c, int b, int h, Scratc
             const float inverse = 1.0f / total;
 #pragma omp simd
             for (int t = 0; t < n; t++) sg[t] *= inverse;
+#endif
         }
         memset(s->acc, 0, sizeof(float) * (size_t)group * (size_t)v_dim);
         int weighed = 0; /* whether the values were added below */
@@ -417,42 +482,12 @@ static void attend(const Call *c, int b, int h, Scratch *s) {
  * score (a select, not arithmetic) and its value is added only to the rows that see it, so a NaN
  * there reaches no row that does not see it. */
 typedef float lanes8 __attribute__((vector_size(32), aligned(4), may_alias));
-/* One lane per row of a tile. */
-typedef float tile_lanes __attribute__((vector_size(TILE_ROWS * 4), aligned(4), may_alias));
 /* Vectors of tile_lanes across 16 value columns. */
 #define COLUMN_VECTORS (16 / TILE_ROWS)
 
 /* Loads and stores of whole vectors (see load16). */
 static inline lanes8 load8(const float *p) { return *(const lanes8 *)p; }
 static inline void store8(float *p, lanes8 v) { *(lanes8 *)p = v; }
-static inline tile_lanes load_tile(const float *p) { return *(const tile_lanes *)p; }
-static inline void store_tile(float *p, tile_lanes v) { *(tile_lanes *)p = v; }
-
-/* The tile's per-row softmax steps on whole tile_lanes vectors, written out rather than left to the
- * vectoriser: GCC tunes recent AVX-512 CPUs to vectorise 256 bits wide, half a 16-row tile. */
-typedef int32_t tile_ints __attribute__((vector_size(TILE_ROWS * 4), aligned(4), may_alias));
-
-/* yes where mask (all ones), else no. */
-static inline ALWAYS_INLINE tile_lanes select_lanes(tile_ints mask, tile_lanes yes, tile_lanes no) {
-    return (tile_lanes)((mask & (tile_ints)yes) | (~mask & (tile_ints)no));
-}
-
-/* exp_nonpositive lane by lane: n = round(x / ln2) by adding and taking away 1.5 * 2^23, exact for
- * |x / ln2| < 2^22; the same polynomial, and 0 below -87.3, NaN for NaN. */
-static inline ALWAYS_INLINE tile_lanes exp_nonpositive_lanes(tile_lanes x) {
-    const tile_ints nan = x != x;
-    x = select_lanes(x < -87.5f, (tile_lanes){0} - 87.5f, x); /* -inf (a masked score) too */
-    const tile_lanes n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const tile_lanes r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    tile_lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const tile_ints e = ~((x < -87.3f) | nan) & (__builtin_convertvector(n, tile_ints) + 127);
-    return select_lanes(nan, x, p * (tile_lanes)(e << 23));
-}
 
 typedef struct {
     float *keys;          /* [keys + 15][qk_dim]: the item's keys as fp32, and spare rows */
