@@ -12,6 +12,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import attrs
 import pytest
@@ -394,9 +395,15 @@ _x86_only = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or 
                                reason="x86 builds: an x86 CPU whose features /proc/cpuinfo lists")
 
 
-def _x86_build(build: str, tmp_path, monkeypatch):
-    """The library built with the named build's flags, in a cache of the test's own."""
-    monkeypatch.setenv("HAL_CACHE_DIR", str(tmp_path))
+@pytest.fixture(scope="module")
+def x86_builds(tmp_path_factory) -> Path:
+    """A cache of this module's own for the x86 builds: each is built once for all its tests."""
+    return tmp_path_factory.mktemp("x86-builds")
+
+
+def _x86_build(build: str, cache: Path, monkeypatch):
+    """The library built with the named build's flags (or taken from ``cache``, where it is kept)."""
+    monkeypatch.setenv("HAL_CACHE_DIR", str(cache))
     compiler = os.environ.get("CC") or "cc"
     return native.bind(ctypes.CDLL(str(native._build(compiler, (*native._FLAGS, "-fopenmp", *_X86_BUILDS[build])))))
 
@@ -404,11 +411,11 @@ def _x86_build(build: str, tmp_path, monkeypatch):
 @_x86_only
 @pytest.mark.parametrize("build", list(_X86_BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_tiles_of_sixteen_rows_and_of_eight_match_the_oracle(build, dtype, tmp_path, monkeypatch, native_calls) -> None:
+def test_tiles_of_sixteen_rows_and_of_eight_match_the_oracle(build, dtype, x86_builds, monkeypatch, native_calls) -> None:
     """The library's tiles hold 16 query rows where the CPU has AVX-512 and 8 where it has not (a
     build with -mno-avx512f stands in for such a CPU here): both hold prompts, a verify block and
     GQA groups of 1, 3 and 8 to the oracle, value rows of 24 (a 16-column and an 8-column part) too."""
-    library = _x86_build(build, tmp_path, monkeypatch)
+    library = _x86_build(build, x86_builds, monkeypatch)
     assert library.hal_paged_attention_tiles() == (16 if _avx512() and build == "native" else 8)
     monkeypatch.setattr(native, "_library", library)
     for i, group in enumerate((1, 3, 8)):
@@ -421,12 +428,12 @@ def test_tiles_of_sixteen_rows_and_of_eight_match_the_oracle(build, dtype, tmp_p
 
 @_x86_only
 @pytest.mark.parametrize("build", list(_X86_BUILDS))
-def test_every_fp16_value_is_read_as_torch_reads_it(build, tmp_path, monkeypatch) -> None:
+def test_every_fp16_value_is_read_as_torch_reads_it(build, x86_builds, monkeypatch) -> None:
     """All 65536 fp16 bit patterns (subnormals, infinities and NaNs among them) as value rows, each
     request seeing one key: its output row is its value row (a weight of exactly 1), so the
     library's fp32 result equals torch's fp16 -> fp32 conversion element for element, in rows of 41
     (the 16-, 8- and 1-lane conversions all used where the build has them)."""
-    library = _x86_build(build, tmp_path, monkeypatch)
+    library = _x86_build(build, x86_builds, monkeypatch)
     monkeypatch.setattr(native, "_library", library)
     width = 41
     values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
