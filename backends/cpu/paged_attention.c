@@ -69,20 +69,22 @@ static inline const float *row_f32(const void *row, int dtype, int n, float *buf
     return buf;
 }
 
+/* exp(x) / 2^n for n = round(x / ln2): x less n * ln2 (ln2 in two parts), then a degree-6
+ * polynomial on |r| <= ln2/2. A macro: exp_nonpositive's and its lane-wise twin's (a float or a
+ * vector of floats; x and n are read more than once). */
+#define EXP_REDUCED(x, n, r)                                                                          \
+    (r = ((x) - (n) * 0.693359375f) + (n) * 2.12194440e-4f,                                          \
+     (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r \
+       + 1.6666665459e-1f) * r + 5.0000001201e-1f) * r * r + r + 1.0f)
+
 /* exp(x) for x <= 0 (a score less the row's maximum), in a form the compiler vectorises: 2^n times
- * a degree-6 polynomial on |r| <= ln2/2 (within 2 ulp of expf); 0 below -87.3 (where expf is
- * subnormal) and for -inf, NaN for NaN. */
+ * EXP_REDUCED (within 2 ulp of expf); 0 below -87.3 (where expf is subnormal) and for -inf, NaN
+ * for NaN. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.5f ? -87.5f : x; /* -inf (a masked score) too: 0 below, never inf - inf */
     const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float r;
+    const float p = EXP_REDUCED(x, n, r);
     const int32_t e = x < -87.3f || x != x ? 0 : (int32_t)n + 127;
     uint32_t bits = (uint32_t)e << 23;
     float scale;
@@ -213,18 +215,13 @@ static inline ALWAYS_INLINE tile_lanes select_lanes(tile_ints mask, tile_lanes y
 }
 
 /* exp_nonpositive lane by lane: n = round(x / ln2) by adding and taking away 1.5 * 2^23, exact for
- * |x / ln2| < 2^22; the same polynomial, and 0 below -87.3, NaN for NaN. */
+ * |x / ln2| < 2^22; the same EXP_REDUCED, and 0 below -87.3, NaN for NaN. */
 static inline ALWAYS_INLINE tile_lanes exp_nonpositive_lanes(tile_lanes x) {
     const tile_ints nan = x != x;
     x = select_lanes(x < -87.5f, (tile_lanes){0} - 87.5f, x); /* -inf (a masked score) too */
     const tile_lanes n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const tile_lanes r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    tile_lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    tile_lanes r;
+    const tile_lanes p = EXP_REDUCED(x, n, r);
     const tile_ints e = ~((x < -87.3f) | nan) & (__builtin_convertvector(n, tile_ints) + 127);
     return select_lanes(nan, x, p * (tile_lanes)(e << 23));
 }
@@ -610,7 +607,8 @@ static inline ALWAYS_INLINE void attend_tiles_dims(const Call *c, int b, int h, 
     }
     for (int tile = r0; tile < r1; tile += TILE_ROWS) {
         const int rows = r1 - tile < TILE_ROWS ? r1 - tile : TILE_ROWS;
-        int p[TILE_ROWS], lo[TILE_ROWS], head[TILE_ROWS];
+        tile_ints p, lo; /* each row's last key and first key (vectors: the block mask compares them whole) */
+        int head[TILE_ROWS];
         int64_t token[TILE_ROWS];
         float m[TILE_ROWS], l[TILE_ROWS], alpha[TILE_ROWS], base[TILE_ROWS];
         int lo_min = INT32_MAX, lo_max = 0, p_min = INT32_MAX, p_max = 0;
@@ -634,10 +632,8 @@ static inline ALWAYS_INLINE void attend_tiles_dims(const Call *c, int b, int h, 
              * there (tile_scratch's spare rows), and their scores are never read */
             for (; j < n; j += 16) scores_16_keys(t->queries, keys + (int64_t)(kb + j) * qk_dim, qk_dim, s + TILE_ROWS * j);
             if (kb < lo_max || ke > p_min) { /* some row does not see some key of the block */
-                tile_ints row_lo, row_p;
-                for (int r = 0; r < TILE_ROWS; r++) row_lo[r] = lo[r], row_p[r] = p[r];
                 for (j = 0; j < n; j++) {
-                    const tile_ints unseen = (row_lo > kb + j) | (row_p < kb + j);
+                    const tile_ints unseen = (lo > kb + j) | (p < kb + j);
                     store_tile(s + TILE_ROWS * j, select_lanes(unseen, (tile_lanes){0} - INFINITY, load_tile(s + TILE_ROWS * j)));
                 }
             }
