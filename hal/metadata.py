@@ -20,7 +20,7 @@ from __future__ import annotations
 import array
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -282,8 +282,9 @@ def build_metadata(
         slots = strict_ints(out_cache_loc, "build_metadata: out_cache_loc")
         loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")
     b = len(kv)
-    kv_t, q_t, cu = host_int_runs([*kv, *q, 0, *itertools.accumulate(q)], (b, b, b + 1), torch.int32,
-                                  "build_metadata: kv_lens and q_lens")
+    kv_t = host_ints(kv, torch.int32, "build_metadata: kv_lens")
+    q_t, cu = _recent_tensor(("q_lens", q), lambda: host_int_runs([*q, 0, *itertools.accumulate(q)], (b, b + 1), torch.int32,
+                                                                  "build_metadata: q_lens"))
     total = sum(q)
     tree_host = None
     if tree_mask is not None:
@@ -351,7 +352,9 @@ def _table_from_rows(
         if len(row) < n:
             raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
     padded = rows if all(len(row) == width for row in rows) else [row[:width] + [0] * (width - len(row)) for row in rows]
-    return host_ints(list(itertools.chain.from_iterable(padded)), torch.int32, "build_metadata: page_table").view(len(kv), width)
+    flat = tuple(itertools.chain.from_iterable(padded))
+    return _recent_tensor(("page_table", width, flat), lambda: (
+        host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width),))[0]
 
 
 def _table_from_tensor(
@@ -421,6 +424,28 @@ def host_int_runs(values: Sequence[int], runs: Sequence[int], dtype: torch.dtype
         parts.append(torch.frombuffer(buffer, dtype=dtype, count=n, offset=at * size) if n else torch.empty(0, dtype=dtype))
         at += n
     return parts
+
+
+#: How many of the last builds' block tables and query lengths ``_recent_tensor`` keeps.
+RECENT_TENSORS_LIMIT = 64
+_recent: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
+
+
+def _recent_tensor(key: tuple[object, ...], make: Callable[[], Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """The host tensors a recent build made for these values (``key``: what they hold), else
+    ``make()``'s, kept for the next build. An engine's decode steps repeat their block table for a
+    page's worth of tokens and their query lengths for as long as the batch lasts, and a tensor costs
+    far more to make than a lookup (tens of microseconds each in a step, its caches cold). Records
+    share them as they share nothing else: metadata tensors are read, never written in place."""
+    found = _recent.get(key)
+    if found is None:
+        found = _recent[key] = tuple(make())
+        if len(_recent) > RECENT_TENSORS_LIMIT:
+            try:  # the oldest; another thread's build may have changed the dict meanwhile: evict next time
+                del _recent[next(iter(_recent))]
+            except (RuntimeError, KeyError):
+                pass
+    return found
 
 
 def _int_array(values: Sequence[int], dtype: torch.dtype, what: str) -> array.array:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hal.errors import SpecError
 from hal.kv_pool import SplitKVPool
 from hal.graph_runner import pad_metadata
+import hal.metadata as metadata_module
 from hal.metadata import AttentionMetadata, build_metadata
 from hal.spec import ForwardMode, KVPoolSpec, SWAPoolSpec
 
@@ -214,10 +215,39 @@ def test_an_engines_wide_table_gives_the_same_record_and_refusals_either_way_it_
         build_metadata(M.DECODE, kv_lens=kv, q_lens=[1] * requests, page_table=engine_table, out_cache_loc=slots, pool=pool)
 
 
+def test_decode_steps_on_the_same_pages_share_their_table_and_every_record_keeps_its_values() -> None:
+    """A decode step's block table and query lengths are the last step's as often as not: a build
+    finds the tensors an earlier build made for the same values (``RECENT_TENSORS_LIMIT`` of them) and
+    makes new ones for new values, and no later build changes what an earlier record holds."""
+    pool = SplitKVPool(KVPoolSpec(1, 4 * 400, 4, 1, 2, 2))  # pages 1..400
+    rng = random.Random(7)
+    engine_table = torch.tensor([rng.sample(range(1, 401), 3) for _ in range(2)], dtype=torch.int32)
+
+    def step(kv: list[int]) -> AttentionMetadata:
+        slots = [int(engine_table[i, (n - 1) // 4]) * 4 + (n - 1) % 4 for i, n in enumerate(kv)]
+        return build_metadata(M.DECODE, kv_lens=kv, q_lens=[1, 1], page_table=engine_table, out_cache_loc=slots, pool=pool)
+
+    first, second = step([5, 6]), step([6, 7])  # both inside pages 0 and 1 of each request
+    assert second.block_table is first.block_table and second.q_lens is first.q_lens and second.cu_q_lens is first.cu_q_lens
+    assert second.kv_lens.tolist() == [6, 7] and first.kv_lens.tolist() == [5, 6]
+    assert second.positions.tolist() == [5, 6] and first.positions.tolist() == [4, 5]
+    later = step([9, 10])  # a third page each: another table
+    assert later.block_table is not first.block_table and later.block_table.shape == (2, 3)
+    assert later.block_table.tolist() == engine_table.tolist() and first.block_table.tolist() == engine_table[:, :2].tolist()
+    original = engine_table[:, :2].tolist()
+    records = []
+    for _ in range(metadata_module.RECENT_TENSORS_LIMIT + 5):  # more distinct tables than are kept
+        engine_table[0, 0] = rng.randrange(1, 401)
+        records.append((step([5, 6]), engine_table[:, :2].tolist()))
+    assert all(md.block_table.tolist() == pages for md, pages in records)
+    assert len(metadata_module._recent) <= metadata_module.RECENT_TENSORS_LIMIT
+    assert first.block_table.tolist() == original
+
+
 def test_a_length_past_int32_is_refused_by_name() -> None:
     """Kernels read lengths as int32: a KV length of 2**31 is refused naming it, not wrapped or left
     to a torch overflow deep in the build."""
-    with pytest.raises(SpecError, match=rf"kv_lens and q_lens: {2**31} does not fit torch.int32"):
+    with pytest.raises(SpecError, match=rf"build_metadata: kv_lens: {2**31} does not fit torch.int32"):
         build_metadata(M.DECODE, kv_lens=[7, 2**31], q_lens=[1, 1], page_table=[[1], [2]], out_cache_loc=[6, 9], page_size=2**31)
 
 
