@@ -353,6 +353,8 @@ def _table_from_rows(
             raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
     padded = rows if all(len(row) == width for row in rows) else [row[:width] + [0] * (width - len(row)) for row in rows]
     flat = tuple(itertools.chain.from_iterable(padded))
+    if len(flat) > RECENT_TABLE_LIMIT:  # kept by value: a large one would hold its ids twice over
+        return host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width)
     return _recent_tensor(("page_table", width, flat), lambda: (
         host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width),))[0]
 
@@ -426,8 +428,10 @@ def host_int_runs(values: Sequence[int], runs: Sequence[int], dtype: torch.dtype
     return parts
 
 
-#: How many of the last builds' block tables and query lengths ``_recent_tensor`` keeps.
+#: How many of the last builds' block tables and query lengths ``_recent_tensor`` keeps, and the
+#: most page ids a table it keeps may hold (an engine step's few requests' pages).
 RECENT_TENSORS_LIMIT = 64
+RECENT_TABLE_LIMIT = 4096
 _recent: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
 
 

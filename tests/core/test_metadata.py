@@ -242,6 +242,12 @@ def test_decode_steps_on_the_same_pages_share_their_table_and_every_record_keeps
     assert all(md.block_table.tolist() == pages for md, pages in records)
     assert len(metadata_module._recent) <= metadata_module.RECENT_TENSORS_LIMIT
     assert first.block_table.tolist() == original
+    wide = [list(range(1, 2 + metadata_module.RECENT_TABLE_LIMIT))]  # more ids than a kept table may hold
+    kept = len(metadata_module._recent)
+    big = [build_metadata(M.EXTEND, kv_lens=[4 * len(wide[0])], q_lens=[1], page_table=wide, out_cache_loc=[4 * len(wide[0]) - 1],
+                          page_size=4) for _ in range(2)]
+    assert big[0].block_table is not big[1].block_table and big[1].block_table.tolist() == wide
+    assert len(metadata_module._recent) <= max(kept, 1) + 1  # the query lengths' pair at most
 
 
 def test_a_length_past_int32_is_refused_by_name() -> None:
