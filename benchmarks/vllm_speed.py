@@ -11,8 +11,10 @@ steps load and prepare what later ones reuse), then ``--rounds`` timed ones; the
 alternate, which goes first changing from repeat to repeat. Prints hal's speed over CPU_ATTN's (> 1:
 hal is faster: CPU_ATTN's timed rounds' time over hal's), the median over the repeats and their
 range, and each backend's attention time inside the engine over its last repeat's timed rounds: the
-metadata build per step (vLLM's builder) and one layer's call (KV write and attention), averaged
-apart over decode steps and over the other steps (the prefill).
+metadata build per step (vLLM's builder) and one layer's call (KV write and attention: CPU_ATTN's
+write is a call of its own, counted in), averaged apart over decode steps and over the other steps
+(the prefill); then, over the decode steps, the first layer call after a build apart from the later
+ones, and the kernel inside a call (hal's compiled call, CPU_ATTN's attention and K/V-write ops).
 
     .venv-vllm/bin/python benchmarks/vllm_speed.py --attention-step [--models small gqa8] [--kv-lens 64 896] [--threads 1 2]
 
@@ -64,6 +66,15 @@ def attention_cells(timing: dict[str, Any]) -> str:
     decode = timing["decode_forward_s"] / max(timing["decode_forwards"], 1) * 1e3
     other = timing["other_forward_s"] / max(timing["other_forwards"], 1) * 1e3
     return f"{build:.3f} | {decode:.3f} | {other:.2f}"
+
+
+def decode_split_cells(timing: dict[str, Any]) -> str:
+    """``build ms | first layer call ms | later layer call ms | kernel ms per layer call`` over one
+    engine run's decode steps (``attention_time``; the kernel: hal's compiled call, CPU_ATTN's ops)."""
+    def per(total: str, count: str) -> str:
+        return f"{timing[total] / max(timing[count], 1) * 1e3:.3f}"
+    return " | ".join([per("build_s", "builds"), per("decode_first_layer_s", "decode_first_layers"),
+                       per("decode_later_layer_s", "decode_later_layers"), per("decode_kernel_s", "decode_forwards")])
 
 
 #: tokens a block holds in the attention-step benchmark (the engine runs' block size)
@@ -183,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| model | prompt | batch | hal / CPU_ATTN speed, median (range) | hal build ms/step | hal layer call ms, decode "
           "| hal layer call ms, prefill | CPU_ATTN build ms/step | CPU_ATTN layer call ms, decode | CPU_ATTN layer call ms, "
           "prefill | same tokens |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    all_same = True
+    all_same, splits = True, []
     for name in args.models:
         model = checkpoint(name, directory)
         for length in args.prompt_lens:
@@ -199,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {length} | 4 | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
                   f"{attention_cells(ours['attention_time'])} | {attention_cells(theirs['attention_time'])} | {same} |", flush=True)
             all_same &= same
+            splits.append(f"| {name} | {length} | {decode_split_cells(ours['attention_time'])} | "
+                          f"{decode_split_cells(theirs['attention_time'])} |")
+    print("\nDecode steps of the last repeat, per step: the build, the first layer call after it and a later one "
+          "(K/V write included), and the kernel inside a layer call (hal: the compiled call; CPU_ATTN: its attention "
+          "and K/V-write ops), ms\n\n| model | prompt | hal build | hal first layer | hal later layer | hal kernel "
+          "| CPU_ATTN build | CPU_ATTN first layer | CPU_ATTN later layer | CPU_ATTN kernel |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(splits), flush=True)
     return 0 if all_same else 1
 
 

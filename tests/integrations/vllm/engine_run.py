@@ -99,39 +99,75 @@ def main(request: dict) -> dict:
 
 
 def time_attention_backend() -> dict[str, float]:
-    """Wrap the attention backend's ``build`` (per step) and layer ``forward`` (per layer call) with
-    timers, hal's under hal's platform, CPU_ATTN's otherwise; the totals fill in as the engine runs.
-    Layer calls are counted apart for decode steps (one query row per request) and the others
-    (prefills, mixed steps), by the step the last build was for."""
+    """Wrap the attention backend's ``build`` (per step) and layer calls with timers, hal's under
+    hal's platform, CPU_ATTN's otherwise; the totals fill in as the engine runs. A layer call is the
+    layer's ``forward`` and, for CPU_ATTN, its K/V write (vLLM calls ``do_kv_cache_update`` apart
+    from ``forward``; hal's ``forward`` writes as it attends). Layer calls are counted apart for
+    decode steps (one query row per request) and the others (prefills, mixed steps), by the step the
+    last build was for; in decode steps the first layer call after a build is also counted apart
+    from the later ones, and the kernel inside a call: hal's compiled call
+    (``PreparedAttention.__call__``), CPU_ATTN's attention and K/V-write ops."""
+    from vllm import _custom_ops as ops
+
     if os.environ.get("HAL_VLLM_PLATFORM") == "1":
+        from hal.backends.cpu.native import PreparedAttention
         from hal.integrations.vllm.attention import HalAttentionImpl as Impl
         from hal.integrations.vllm.attention import HalMetadataBuilder as Builder
+        kernels = [(PreparedAttention, "__call__")]
     else:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder as Builder
+        kernels = [(ops, "cpu_attention_with_kv_cache"), (ops, "cpu_attn_reshape_and_cache")]
     totals = {"build_s": 0.0, "builds": 0, "decode_forward_s": 0.0, "decode_forwards": 0, "other_forward_s": 0.0,
-              "other_forwards": 0}
-    step = {"kind": "other"}
-    build, forward = Builder.build, Impl.forward
+              "other_forwards": 0, "decode_first_layer_s": 0.0, "decode_first_layers": 0, "decode_later_layer_s": 0.0,
+              "decode_later_layers": 0, "decode_kernel_s": 0.0}
+    step = {"kind": "other", "layer": 0}
+
+    def timed(owner, name, account):  # type: ignore[no-untyped-def]
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                account(time.perf_counter() - start)
+        setattr(owner, name, wrapper)
+
+    def built(seconds: float) -> None:
+        totals["build_s"] += seconds
+        totals["builds"] += 1
+
+    def layer_call(seconds: float, count: bool = True) -> None:
+        kind = step["kind"]
+        totals[f"{kind}_forward_s"] += seconds
+        totals[f"{kind}_forwards"] += count
+        if kind == "decode":
+            position = "first" if step["layer"] == 0 else "later"
+            totals[f"decode_{position}_layer_s"] += seconds
+            totals[f"decode_{position}_layers"] += count
+            step["layer"] += count
+
+    def kernel(seconds: float) -> None:
+        if step["kind"] == "decode":
+            totals["decode_kernel_s"] += seconds
+
+    build = Builder.build
 
     def timed_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
         result = build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-        totals["build_s"] += time.perf_counter() - start
-        totals["builds"] += 1
+        built(time.perf_counter() - start)
         decode = common_attn_metadata.num_actual_tokens == common_attn_metadata.num_reqs
-        step["kind"] = "decode" if decode else "other"
-        return result
-
-    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        result = forward(*args, **kwargs)
-        totals[f"{step['kind']}_forward_s"] += time.perf_counter() - start
-        totals[f"{step['kind']}_forwards"] += 1
+        step.update(kind="decode" if decode else "other", layer=0)
         return result
 
     Builder.build = timed_build
-    Impl.forward = timed_forward
+    if "do_kv_cache_update" in vars(Impl):  # CPU_ATTN: the write half of its layer call, counted before the forward
+        timed(Impl, "do_kv_cache_update", lambda seconds: layer_call(seconds, count=False))
+    timed(Impl, "forward", layer_call)
+    for owner, name in kernels:
+        timed(owner, name, kernel)
     return totals
 
 
