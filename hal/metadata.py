@@ -69,7 +69,9 @@ class AttentionMetadata:
     values on the host (kernels whose ops take host lists, FIA on Ascend, read them; a graph
     update carries them into a captured graph). The two always describe one batch: a captured
     forward that takes a new batch into its tensors gets a new record for it
-    (``hal.graph_runner.refreshed_metadata``), never the old one with rewritten tensors.
+    (``hal.graph_runner.refreshed_metadata``), never the old one with rewritten tensors. Records
+    ``build_metadata`` made from the same block table or query lengths may share those tensors
+    (it keeps a few recent ones): read a record's tensors, never write into them.
     """
 
     mode: ForwardMode
@@ -283,8 +285,8 @@ def build_metadata(
         loc = host_ints(slots, torch.int64, "build_metadata: out_cache_loc")
     b = len(kv)
     kv_t = host_ints(kv, torch.int32, "build_metadata: kv_lens")
-    q_t, cu = _recent_tensor(("q_lens", q), lambda: host_int_runs([*q, 0, *itertools.accumulate(q)], (b, b + 1), torch.int32,
-                                                                  "build_metadata: q_lens"))
+    q_t, cu = _recent_tensors(("q_lens", q), lambda: host_int_runs([*q, 0, *itertools.accumulate(q)], (b, b + 1), torch.int32,
+                                                                   "build_metadata: q_lens"))
     total = sum(q)
     tree_host = None
     if tree_mask is not None:
@@ -355,7 +357,7 @@ def _table_from_rows(
     flat = tuple(itertools.chain.from_iterable(padded))
     if len(flat) > RECENT_TABLE_LIMIT:  # kept by value: a large one would hold its ids twice over
         return host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width)
-    return _recent_tensor(("page_table", width, flat), lambda: (
+    return _recent_tensors(("page_table", width, flat), lambda: (
         host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width),))[0]
 
 
@@ -428,19 +430,20 @@ def host_int_runs(values: Sequence[int], runs: Sequence[int], dtype: torch.dtype
     return parts
 
 
-#: How many of the last builds' block tables and query lengths ``_recent_tensor`` keeps, and the
+#: How many of the last builds' block tables and query lengths ``_recent_tensors`` keeps, and the
 #: most page ids a table it keeps may hold (an engine step's few requests' pages).
 RECENT_TENSORS_LIMIT = 64
 RECENT_TABLE_LIMIT = 4096
 _recent: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
 
 
-def _recent_tensor(key: tuple[object, ...], make: Callable[[], Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+def _recent_tensors(key: tuple[object, ...], make: Callable[[], Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """The host tensors a recent build made for these values (``key``: what they hold), else
     ``make()``'s, kept for the next build. An engine's decode steps repeat their block table for a
     page's worth of tokens and their query lengths for as long as the batch lasts, and a tensor costs
     far more to make than a lookup (tens of microseconds each in a step, its caches cold). Records
-    share them as they share nothing else: metadata tensors are read, never written in place."""
+    built from equal values share these tensors, and no others: metadata tensors are read, never
+    written in place."""
     found = _recent.get(key)
     if found is None:
         found = _recent[key] = tuple(make())
