@@ -355,10 +355,12 @@ def _table_from_rows(
             raise SpecError(f"build_metadata: request {i} has kv_len {kv[i]} but only {len(row)} pages of {page_size}")
     padded = rows if all(len(row) == width for row in rows) else [row[:width] + [0] * (width - len(row)) for row in rows]
     flat = tuple(itertools.chain.from_iterable(padded))
-    if len(flat) > RECENT_TABLE_LIMIT:  # kept by value: a large one would hold its ids twice over
-        return host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width)
-    return _recent_tensors(("page_table", width, flat), lambda: (
-        host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width),))[0]
+
+    def make() -> tuple[torch.Tensor]:
+        return (host_ints(flat, torch.int32, "build_metadata: page_table").view(len(kv), width),)
+
+    # kept by value only when small: a large table would hold its ids twice over
+    return (make() if len(flat) > RECENT_TABLE_LIMIT else _recent_tensors(("page_table", width, flat), make))[0]
 
 
 def _table_from_tensor(

@@ -134,10 +134,6 @@ def time_attention_backend() -> dict[str, float]:
                 account(time.perf_counter() - start)
         setattr(owner, name, wrapper)
 
-    def built(seconds: float) -> None:
-        totals["build_s"] += seconds
-        totals["builds"] += 1
-
     def layer_call(seconds: float, count: bool = True) -> None:
         kind = step["kind"]
         totals[f"{kind}_forward_s"] += seconds
@@ -157,7 +153,8 @@ def time_attention_backend() -> dict[str, float]:
     def timed_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
         result = build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-        built(time.perf_counter() - start)
+        totals["build_s"] += time.perf_counter() - start
+        totals["builds"] += 1
         decode = common_attn_metadata.num_actual_tokens == common_attn_metadata.num_reqs
         step.update(kind="decode" if decode else "other", layer=0)
         return result
