@@ -1,45 +1,59 @@
 """The CPU backend's compiled kernel (``paged_attention.c``): built on first use with the machine's
-C compiler into hal's cache, loaded with ctypes, and held to ``hal.oracle`` like the torch kernel.
+C compiler into hal's cache, loaded as a Python extension module (``paged_attention_module.c``)
+where the interpreter's headers are installed and through ctypes elsewhere, and held to
+``hal.oracle`` like the torch kernel.
 
 Why compiled, and why this way: a decode step's attention is a few microseconds of arithmetic,
 and the pure-torch kernel spends about a hundred on op dispatch and index bookkeeping around it.
 The C file includes no torch header, so it builds in about a second with any C11 compiler, at
 first use rather than at install: ``pip install`` stays pure Python, and a machine with no
 compiler (or ``HAL_CPU_NATIVE=0``) runs the pure-torch kernel, which serves every batch; why the
-compiled one is not in use is ``native_status()``, which ``hal info`` prints. It is built with
-OpenMP where the compiler has it, and then splits a large call across torch's own worker threads
-(the libgomp torch loaded), never threads of its own beside them.
+compiled one is not in use is ``native_status()``, which ``hal info`` prints. The extension module
+takes a layer call's arguments as they are, where ctypes converts each by its declared type (about
+a tenth of the cost per call, more once an engine's other work has left ctypes out of cache); both
+expose the same functions. It is built with OpenMP where the compiler has it, and then splits a
+large call across torch's own worker threads (the libgomp torch loaded), never threads of its own
+beside them.
 
 The build lands in ``$HAL_CACHE_DIR`` (default ``$XDG_CACHE_HOME/hal``, else ``~/.cache/hal``)
-under a name hashing the source, the flags, the compiler and the CPU's features, written to a
-temporary file and renamed into place, so processes building at once (tensor-parallel ranks)
-never load a half-written library.
+under a name hashing the sources, the flags, the compiler, the interpreter's ABI (for the module)
+and the CPU's features, written to a temporary file and renamed into place, so processes building
+at once (tensor-parallel ranks) never load a half-written library.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import threading
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
+# The same functions as a Python extension module (it includes _SOURCE), and the name it registers.
+_MODULE_SOURCE = Path(__file__).with_name("paged_attention_module.c")
+_MODULE_NAME = "_hal_paged_attention"
 # -fopenmp-simd: the source's simd pragmas (vectorised reductions) without an OpenMP runtime;
 # -march=native: the library is built for, and cached per, the CPU it runs on.
 _FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=fast", "-march=native")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+# The loaded kernel: the extension module or the ctypes library, which expose the same functions
+# (hal_attention_prepare, hal_attention_run, hal_attention_release, hal_paged_attention_tiles).
+_library: Any = None
 _status: str | None = None  # None: not tried yet
-_tiles_of: tuple[ctypes.CDLL | None, bool] = (None, False)  # (library, whether it runs prompts by tiles)
+_tiles_of: tuple[Any, bool] = (None, False)  # (library, whether it runs prompts by tiles)
 
 
 def cache_dir() -> Path:
@@ -58,23 +72,62 @@ def _cpu_features() -> str:
         return ""
 
 
-def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+def _python_includes() -> list[str]:
+    """The directories holding the interpreter's headers, ``Python.h`` first; an ``OSError`` where
+    they are not installed (a Python without its development files)."""
+    paths = sysconfig.get_paths()
+    include = paths["include"]
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        raise OSError(f"no Python.h in {include} (the interpreter's development headers are not installed)")
+    return list(dict.fromkeys([include, paths.get("platinclude") or include]))
+
+
+def _build(compiler: str, flags: tuple[str, ...], *, module: bool = False) -> Path:
+    """The library built from ``_SOURCE`` with ``flags`` (or the extension module, from
+    ``_MODULE_SOURCE``, with the interpreter's headers), from hal's cache when built before."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), platform.machine().encode(),
-                                     _cpu_features().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"paged_attention-{key}.so"
+    includes = [f"-I{path}" for path in _python_includes()] if module else []
+    parts = [_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), platform.machine().encode(),
+             _cpu_features().encode()]
+    if module:
+        parts += [_MODULE_SOURCE.read_bytes(), " ".join(includes).encode(), platform.python_version().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    target = cache_dir() / (f"paged_attention_module-{key}{suffix}" if module else f"paged_attention-{key}.so")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
-                                timeout=300)
+        source = _MODULE_SOURCE if module else _SOURCE
+        result = subprocess.run([compiler, *flags, *includes, str(source), "-o", str(built), "-lm"], capture_output=True,
+                                text=True, timeout=300)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
         os.replace(built, target)
     return target
+
+
+def load_module(path: Path) -> ModuleType:
+    """The extension module built at ``path`` (``_build(..., module=True)``), loaded."""
+    spec = importlib.util.spec_from_file_location(_MODULE_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not loadable as an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_built(compiler: str, flags: tuple[str, ...]) -> tuple[Any, Path, str]:
+    """The kernel built with ``flags``, its path and how it is called: the extension module where it
+    builds and loads, else the ctypes library (an ``OSError`` when that does not build either)."""
+    try:
+        path = _build(compiler, flags, module=True)
+        return load_module(path), path, "as a Python extension module"
+    except (OSError, subprocess.SubprocessError, ImportError) as error:
+        why = str(error).splitlines()[0] if str(error) else type(error).__name__
+    path = _build(compiler, flags)
+    return bind(ctypes.CDLL(str(path))), path, f"through ctypes (no extension module: {why})"
 
 
 def _load() -> None:
@@ -89,16 +142,14 @@ def _load() -> None:
     threads = "torch's OpenMP threads"
     try:
         try:  # OpenMP: libgomp.so.1, which torch has loaded already, so the kernel shares torch's worker pool
-            path = _build(compiler, (*_FLAGS, "-fopenmp"))
+            library, path, called = _load_built(compiler, (*_FLAGS, "-fopenmp"))
         except (OSError, subprocess.SubprocessError) as error:
-            path = _build(compiler, _FLAGS)
+            library, path, called = _load_built(compiler, _FLAGS)
             threads = f"one thread (without OpenMP: {str(error).splitlines()[0]})"
-        library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         _status = f"unavailable: {error}"
         return
-    bind(library)
-    _library, _status = library, f"in use: {path}, on {threads}"
+    _library, _status = library, f"in use: {path}, called {called}, on {threads}"
 
 
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -140,7 +191,7 @@ def tiles_prompts(v_head_dim: int) -> bool:
     global _tiles_of
     if not available() or v_head_dim % 8:
         return False
-    if _tiles_of[0] is not _library:  # asked of the library once (a ctypes call per forward otherwise)
+    if _tiles_of[0] is not _library:  # asked of the library once (a call per forward otherwise)
         _tiles_of = (_library, bool(_library.hal_paged_attention_tiles()))  # type: ignore[union-attr]
     return _tiles_of[1]
 
@@ -173,7 +224,7 @@ class PreparedAttention:
     """One kind of layer's compiled attention for one forward, prepared once (the batch's lengths
     and block table, the heads, dims, scale and window, how the work is split) and run per layer
     call with the layer's caches, the query, the new K/V rows and the output: what a layer call
-    costs beyond the arithmetic is one ctypes call. The caller checked the arguments
+    costs beyond the arithmetic is one call into the library. The caller checked the arguments
     (``validate_attention_call``, ``pool.slots_for_forward``) and that the kernel reads them as they
     are (``reads_rows``, ``reads_lengths``); the metadata tensors are held here for as long as the
     preparation lives."""

@@ -314,6 +314,84 @@ def test_without_the_library_the_torch_kernel_serves_and_says_why(environment, r
     assert [p.suffix for p in tmp_path.iterdir()] == ([".so"] if not environment else [])
 
 
+NO_HEADERS_SCRIPT = """
+import sysconfig
+paths = sysconfig.get_paths()
+sysconfig.get_paths = lambda: {**paths, "include": "/nonexistent-include", "platinclude": "/nonexistent-include"}
+""" + FALLBACK_SCRIPT + """
+print(native.native_status())
+"""
+
+
+def test_without_the_interpreters_headers_the_library_is_called_through_ctypes(tmp_path) -> None:
+    """A Python without its development headers (stood in for by an include directory that does not
+    exist): the kernel builds as a plain library, is called through ctypes, says why, and matches
+    the oracle."""
+    env = {**os.environ, "HAL_CACHE_DIR": str(tmp_path)}
+    env.pop("HAL_CPU_NATIVE", None)
+    run = subprocess.run([sys.executable, "-c", NO_HEADERS_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    available, _, status = run.stdout.strip().splitlines()
+    assert available == "True"
+    assert "called through ctypes (no extension module: no Python.h in /nonexistent-include" in status, status
+    assert [p.name.startswith("paged_attention-") for p in tmp_path.iterdir()] == [True]
+
+
+def _the_other_binding(monkeypatch) -> tuple[object, object]:
+    """(the loaded kernel, the same source loaded the other way: through ctypes when the extension
+    module is in use, else as the module), both from this process's cache."""
+    assert native.available(), native.native_status()
+    loaded = native._library
+    compiler = os.environ.get("CC") or "cc"
+    flags = (*native._FLAGS, "-fopenmp") if "OpenMP" in native.native_status() else native._FLAGS
+    if isinstance(loaded, ctypes.CDLL):
+        try:
+            return loaded, native.load_module(native._build(compiler, flags, module=True))
+        except (OSError, ImportError) as error:
+            pytest.skip(f"no extension module on this interpreter: {error}")
+    return loaded, native.bind(ctypes.CDLL(str(native._build(compiler, flags))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_extension_module_and_the_ctypes_library_compute_the_same_bits(dtype, monkeypatch, native_calls) -> None:
+    """One source, two ways of calling it: decode rows, a prompt by tiles and a verify block, with a
+    window and sinks, come out bit for bit the same through either, and match the oracle."""
+    loaded, other = _the_other_binding(monkeypatch)
+    layer = LayerSpec(0, 6, 2, 32, 24, scaling=32**-0.5, sliding_window=9, has_sinks=True)
+    cases = [(M.DECODE, [40, 7, 90], [1, 1, 1]), (M.EXTEND, [70, 33], [70, 5]), (M.TARGET_VERIFY, [20, 41], [4, 4])]
+    for i, (mode, kv_lens, q_lens) in enumerate(cases):
+        results = []
+        for library in (loaded, other):
+            monkeypatch.setattr(native, "_library", library)
+            out, expect = run_cpu_kernel(mode, layer, kv_lens, q_lens, page_size=4, dtype=dtype, seed=11 + i)
+            assert_close(out, expect, dtype)
+            results.append(out)
+        assert torch.equal(results[0], results[1]), mode
+    assert len(native_calls) == 2 * len(cases)
+
+
+def test_the_extension_module_refuses_arguments_of_the_wrong_kind_by_position() -> None:
+    """What ctypes' declared types would refuse, the module refuses too, with the argument's place:
+    a wrong count, a float for an int, a str for an address, an int past a C int; nothing is run."""
+    assert native.available(), native.native_status()
+    try:
+        module = native.load_module(native._build(os.environ.get("CC") or "cc", native._FLAGS, module=True))
+    except (OSError, ImportError) as error:
+        pytest.skip(f"no extension module on this interpreter: {error}")
+    prepare_args = [0, 4, 2, 1, 8, 8, 0, 1, 0, 0, 0, 1.0, -1, 0, 1]
+    with pytest.raises(TypeError, match="takes 15 arguments, got 14"):
+        module.hal_attention_prepare(*prepare_args[:-1])
+    with pytest.raises(TypeError, match="argument 1: expected an int, got float"):
+        module.hal_attention_prepare(0, 4.0, *prepare_args[2:])
+    with pytest.raises(TypeError, match="argument 6: expected an int address or None, got str"):
+        module.hal_attention_prepare(*prepare_args[:6], "0x10", *prepare_args[7:])
+    with pytest.raises(OverflowError, match="argument 10: 4294967296 does not fit a C int"):
+        module.hal_attention_prepare(*prepare_args[:10], 2**32, *prepare_args[11:])
+    with pytest.raises(TypeError, match="takes 22 arguments, got 3"):
+        module.hal_attention_run(0, 0, 0)
+    assert module.hal_paged_attention_tiles() in (0, 8, 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sinks_in_the_models_dtype_match_the_oracle(dtype, native_calls) -> None:
     """Engines hand sinks in the model's dtype: the kernel reads an fp32 copy of them, kept alive
