@@ -24,6 +24,11 @@ from hal.errors import GraphError
 from hal.spec import int_at_least
 
 _state = threading.local()
+# Capture spans open in any thread. While there are none no thread is capturing, and the checks
+# below answer without reading the thread-local state (a read that costs microseconds once an
+# engine's other work has left it out of the processor's caches; kernels ask on every call).
+_open_spans = 0
+_open_spans_lock = threading.Lock()
 T = TypeVar("T")
 
 
@@ -62,30 +67,39 @@ class GraphUpdate:
 @contextlib.contextmanager
 def capture_span() -> Iterator[list[tuple[Any, Any]]]:
     """Mark a real capture; yields the list that kernels append their updatable calls to."""
+    global _open_spans
     if getattr(_state, "calls", None) is not None:
         raise GraphError("graph capture is already in progress on this thread; captures do not nest")
     calls: list[tuple[Any, Any]] = []
+    with _open_spans_lock:
+        _open_spans += 1
     _state.calls = calls
     try:
         yield calls
     finally:
         _state.calls = None
+        with _open_spans_lock:
+            _open_spans -= 1
 
 
 def capture_id() -> int:
     """Identifies the capture in progress on this thread (0 outside one): what a capture records
     must not reuse tensors computed before it, which the graph would keep as constants."""
+    if not _open_spans:
+        return 0
     calls = getattr(_state, "calls", None)
     return 0 if calls is None else id(calls)
 
 
 def is_capturing() -> bool:
     """Whether this thread is inside ``capture_span()`` (kernels must then not read device values on the host)."""
-    return getattr(_state, "calls", None) is not None
+    return bool(_open_spans) and getattr(_state, "calls", None) is not None
 
 
 def record_updatable_call(kernel: Any, layer: Any) -> None:
     """Called by a kernel for each captured op whose host-side parameters an update must refresh."""
+    if not _open_spans:
+        return
     calls = getattr(_state, "calls", None)
     if calls is not None:
         calls.append((kernel, layer))

@@ -174,6 +174,7 @@ class AttentionMetadata:
 
 
 _METADATA_FIELDS = tuple(field.name for field in attrs.fields(AttentionMetadata))
+_HOST = torch.device("cpu")
 
 
 def _check_lengths_fit_mode(mode: ForwardMode, q_lens: Sequence[int]) -> None:
@@ -250,7 +251,7 @@ def build_metadata(
     page_size = int_at_least(page_size, 1, "build_metadata: page_size")
     if max_pages is not None:
         max_pages = int_at_least(max_pages, 1, "build_metadata: max_pages")
-    device = torch.device("cpu") if device is None else torch.device(device)
+    device = _HOST if device is None else device if isinstance(device, torch.device) else torch.device(device)
     if not isinstance(mode, ForwardMode):
         raise SpecError(f"build_metadata: mode must be a hal.ForwardMode, got {mode!r} ({type(mode).__name__})")
     kv = strict_ints(kv_lens, "build_metadata: kv_lens")

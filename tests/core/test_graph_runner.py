@@ -6,6 +6,8 @@ outputs must match, and the two pools must agree everywhere except slot 0, the p
 
 from __future__ import annotations
 
+import threading
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -317,6 +319,37 @@ def test_capture_span_collects_updatable_calls_and_does_not_nest() -> None:
         with capture_span():
             raise RuntimeError("inside")
     assert not is_capturing()  # an exception ends the span
+
+
+def test_a_capture_in_one_thread_leaves_the_others_outside_of_it() -> None:
+    """Capture state is per thread: while one thread captures, another's calls are not recorded and
+    it is not capturing; once every span has closed (an exception included), none is."""
+    import hal.graph as graph_module
+
+    inside, leave = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def capture() -> None:
+        with capture_span() as calls:
+            record_updatable_call("kernel", "capturing thread")
+            seen["calls"] = calls
+            inside.set()
+            leave.wait(30)
+
+    worker = threading.Thread(target=capture)
+    worker.start()
+    assert inside.wait(30)
+    assert not is_capturing() and graph_module.capture_id() == 0
+    record_updatable_call("kernel", "other thread")
+    with capture_span() as mine:  # this thread may capture at the same time
+        assert is_capturing() and graph_module.capture_id() == id(mine)
+    leave.set()
+    worker.join(30)
+    assert seen["calls"] == [("kernel", "capturing thread")] and mine == []
+    with pytest.raises(RuntimeError, match="inside"):
+        with capture_span():
+            raise RuntimeError("inside")
+    assert graph_module._open_spans == 0 and not is_capturing()
 
 
 def test_copy_into_trees() -> None:
