@@ -7,7 +7,6 @@ outputs must match, and the two pools must agree everywhere except slot 0, the p
 from __future__ import annotations
 
 import threading
-
 from collections.abc import Mapping
 from typing import Any
 
