@@ -5,8 +5,8 @@ where the interpreter's headers are installed and through ctypes elsewhere, and 
 
 Why compiled, and why this way: a decode step's attention is a few microseconds of arithmetic,
 and the pure-torch kernel spends about a hundred on op dispatch and index bookkeeping around it.
-The C file includes no torch header, so it builds in about a second with any C11 compiler, at
-first use rather than at install: ``pip install`` stays pure Python, and a machine with no
+The C file includes no torch header, so it builds in seconds (7 s with GCC 12 at -O3) with any
+C11 compiler, at first use rather than at install: ``pip install`` stays pure Python, and a machine with no
 compiler (or ``HAL_CPU_NATIVE=0``) runs the pure-torch kernel, which serves every batch; why the
 compiled one is not in use is ``native_status()``, which ``hal info`` prints. The extension module
 takes a layer call's arguments as they are, where ctypes converts each by its declared type (about

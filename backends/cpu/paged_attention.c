@@ -8,7 +8,7 @@
  * Query row i of request b sits at p = kv_len - q_len + i and sees keys lo..p, lo = max(0, p - W)
  * on a sliding-window layer (W >= 0) and 0 otherwise. Scores and sums are fp32; a sink is one
  * more logit in each row's softmax, with no value. Keys a row does not see are never read, so a
- * NaN there cannot reach it. Plain C11: no torch headers, so the build takes about a second. */
+ * NaN there cannot reach it. Plain C11: no torch headers, so the build takes seconds, not minutes. */
 
 #include <math.h>
 #include <stdint.h>
