@@ -85,18 +85,16 @@ static PyObject *module_run(PyObject *self, PyObject *const *args, Py_ssize_t na
     static const char pointer_at[22] = {1, 1, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 0, 0};
     void *pointers[22];
     int64_t values[22];
+    int n_slots;
     for (int i = 0; i < 22; i++) {
         if (pointer_at[i] ? read_pointer(args, i, &pointers[i]) : read_i64(args, i, &values[i])) return NULL;
     }
-    if (values[15] < INT_MIN || values[15] > INT_MAX) {
-        PyErr_Format(PyExc_OverflowError, "argument 15: %lld does not fit a C int", (long long)values[15]);
-        return NULL;
-    }
+    if (read_int(args, 15, &n_slots)) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = hal_attention_run(pointers[0], pointers[1], values[2], values[3], pointers[4], pointers[5], values[6], values[7],
                                values[8], pointers[9], values[10], values[11], values[12], pointers[13], pointers[14],
-                               (int)values[15], pointers[16], values[17], values[18], pointers[19], values[20], values[21]);
+                               n_slots, pointers[16], values[17], values[18], pointers[19], values[20], values[21]);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(status);
 }

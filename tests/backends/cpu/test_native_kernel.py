@@ -337,16 +337,16 @@ def test_without_the_interpreters_headers_the_library_is_called_through_ctypes(t
     assert [p.name.startswith("paged_attention-") for p in tmp_path.iterdir()] == [True]
 
 
-def _the_other_binding(monkeypatch) -> tuple[object, object]:
-    """(the loaded kernel, the same source loaded the other way: through ctypes when the extension
-    module is in use, else as the module), both from this process's cache."""
+def _both_bindings() -> tuple[object, object]:
+    """(the extension module, the ctypes library) of the loaded kernel's build: the one loaded and
+    the same source and flags built the other way, from this process's cache."""
     assert native.available(), native.native_status()
     loaded = native._library
     compiler = os.environ.get("CC") or "cc"
-    flags = (*native._FLAGS, "-fopenmp") if "OpenMP" in native.native_status() else native._FLAGS
+    flags = (*native._FLAGS, "-fopenmp") if "on torch's OpenMP threads" in native.native_status() else native._FLAGS
     if isinstance(loaded, ctypes.CDLL):
         try:
-            return loaded, native.load_module(native._build(compiler, flags, module=True))
+            return native.load_module(native._build(compiler, flags, module=True)), loaded
         except (OSError, ImportError) as error:
             pytest.skip(f"no extension module on this interpreter: {error}")
     return loaded, native.bind(ctypes.CDLL(str(native._build(compiler, flags))))
@@ -356,12 +356,12 @@ def _the_other_binding(monkeypatch) -> tuple[object, object]:
 def test_the_extension_module_and_the_ctypes_library_compute_the_same_bits(dtype, monkeypatch, native_calls) -> None:
     """One source, two ways of calling it: decode rows, a prompt by tiles and a verify block, with a
     window and sinks, come out bit for bit the same through either, and match the oracle."""
-    loaded, other = _the_other_binding(monkeypatch)
+    bindings = _both_bindings()
     layer = LayerSpec(0, 6, 2, 32, 24, scaling=32**-0.5, sliding_window=9, has_sinks=True)
     cases = [(M.DECODE, [40, 7, 90], [1, 1, 1]), (M.EXTEND, [70, 33], [70, 5]), (M.TARGET_VERIFY, [20, 41], [4, 4])]
     for i, (mode, kv_lens, q_lens) in enumerate(cases):
         results = []
-        for library in (loaded, other):
+        for library in bindings:
             monkeypatch.setattr(native, "_library", library)
             out, expect = run_cpu_kernel(mode, layer, kv_lens, q_lens, page_size=4, dtype=dtype, seed=11 + i)
             assert_close(out, expect, dtype)
@@ -373,11 +373,7 @@ def test_the_extension_module_and_the_ctypes_library_compute_the_same_bits(dtype
 def test_the_extension_module_refuses_arguments_of_the_wrong_kind_by_position() -> None:
     """What ctypes' declared types would refuse, the module refuses too, with the argument's place:
     a wrong count, a float for an int, a str for an address, an int past a C int; nothing is run."""
-    assert native.available(), native.native_status()
-    try:
-        module = native.load_module(native._build(os.environ.get("CC") or "cc", native._FLAGS, module=True))
-    except (OSError, ImportError) as error:
-        pytest.skip(f"no extension module on this interpreter: {error}")
+    module, _ = _both_bindings()
     prepare_args = [0, 4, 2, 1, 8, 8, 0, 1, 0, 0, 0, 1.0, -1, 0, 1]
     with pytest.raises(TypeError, match="takes 15 arguments, got 14"):
         module.hal_attention_prepare(*prepare_args[:-1])
